@@ -1,0 +1,62 @@
+"""The V4 multi-token-prediction (MTP) layer, used as the speculative draft head.
+
+Row at position p combines the target model's final residual streams after token t_p (pre hc
+head) with the embedding of token t_{p+1} (zeroed at position 0, as vLLM does) and predicts
+t_{p+2}:
+    h = h_proj(hnorm(H_p)) + e_proj(enorm(emb(t_{p+1})))      broadcast over the n streams
+    H' = Block_swa(h)                                           its own 128-token window
+    logits = head(norm(hc_head(H')))                            head shared with the model
+For nextn = k the same layer is applied k times, each time fed its own output streams and
+its own draft token at the next position.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import SeqSlice
+from .config import ModelConfig
+from .layers import rms_norm
+from .model import Block, DeepseekV4, HyperHead
+from .seq_state import SequenceState
+
+
+class MTPLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        d = cfg.hidden_size
+        self.enorm = nn.Parameter(torch.empty(d))
+        self.hnorm = nn.Parameter(torch.empty(d))
+        self.e_proj = nn.Parameter(torch.empty(d, d))
+        self.h_proj = nn.Parameter(torch.empty(d, d))
+        self.block = Block(cfg, "swa", 0, hash_routing=False)
+        self.hc_head = HyperHead(cfg)
+        self.norm = nn.Parameter(torch.empty(d))
+
+    def new_state(self, model: DeepseekV4, slack: int = 8) -> SequenceState:
+        return SequenceState(self.cfg, ["swa"], [0], model.dtype, model.device, slack)
+
+    def forward(self, model: DeepseekV4, streams: torch.Tensor, next_token_ids: torch.Tensor,
+                positions: torch.Tensor, seqs: list[SeqSlice]) -> torch.Tensor:
+        """streams: [T, n, D] target streams at `positions`; next_token_ids: [T]. Returns [T, n, D].
+
+        `seqs` carry this layer's own SequenceStates (see `new_state`)."""
+        eps = self.cfg.rms_norm_eps
+        for s in seqs:
+            if s.start != s.state.num_tokens:
+                s.state.rewind(s.start)
+        emb = model.embed[next_token_ids]
+        emb = torch.where((positions == 0)[:, None], torch.zeros_like(emb), emb)
+        h = F.linear(rms_norm(streams, self.hnorm, eps), self.h_proj)  # [T, n, D]
+        h = h + F.linear(rms_norm(emb, self.enorm, eps), self.e_proj).unsqueeze(1)
+        out = self.block(h, next_token_ids, positions, model.step_rope(positions), seqs, 0)
+        for s in seqs:
+            s.state.num_tokens = s.start + s.length
+        return out
+
+    def logits(self, model: DeepseekV4, streams: torch.Tensor) -> torch.Tensor:
+        x = rms_norm(self.hc_head(streams, self.cfg), self.norm, self.cfg.rms_norm_eps)
+        return F.linear(x, model.head).float()
