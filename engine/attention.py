@@ -116,13 +116,18 @@ class Indexer(nn.Module):
         w = F.linear(x, self.weights_proj).float() * self.num_heads**-0.5  # [T, Hi]
         return q, w
 
+    def scores(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """Index scores [n, E] = Σ_h w_h · ReLU(q_h · k_e) / √dI (fp32)."""
+        scores = torch.einsum("nhd,ed->nhe", q, keys.float()).relu_() * self.head_dim**-0.5
+        return (scores * w.unsqueeze(-1)).sum(dim=1)
+
     def select(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-        """Mask [n, E] of the entries each query attends: its top-k visible entries by
-        Σ_h w_h · ReLU(q_h · k) / √dI (all visible ones when there are ≤ k)."""
+        """Mask [n, E] of the entries each query attends: its top-k visible entries by index
+        score (all visible ones when there are ≤ k). Ties at the k-th score are broken by
+        torch.topk, as in the reference."""
         if int(visible.sum(-1).max()) <= self.topk:
             return visible
-        scores = torch.einsum("nhd,ed->nhe", q, keys.float()).relu_() * self.head_dim**-0.5
-        scores = (scores * w.unsqueeze(-1)).sum(dim=1).masked_fill_(~visible, float("-inf"))  # [n, E]
+        scores = self.scores(q, w, keys).masked_fill_(~visible, float("-inf"))  # [n, E]
         picked = scores.topk(min(self.topk, scores.shape[-1]), dim=-1).indices
         mask = torch.zeros_like(visible).scatter_(-1, picked, True)
         return mask & visible

@@ -1,0 +1,53 @@
+"""The built-in demo model: the `small` preset with seed 0, generated once into a cache dir.
+
+Generated rather than shipped so the repository stays small; generation is deterministic, so
+every machine gets identical weights. The directory is built under a temporary name and renamed
+into place, so a crash mid-write never leaves a half-written model behind.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+BUILTIN_NAME = "builtin-v4-small-seed0-v1"
+
+
+def cache_root() -> Path:
+    root = os.environ.get("RINGSERVE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ringserve")
+    return Path(root)
+
+
+def make_model_dir(out_dir: str | Path, preset: str, seed: int = 0, layout: str = "upstream", dtype: str = "bf16",
+                   quantize: str | None = None) -> Path:
+    """Write a random-weight checkpoint plus tokenizer (what `ringserve make-model` does)."""
+    import torch
+
+    from engine.checkpoint import preset_config, random_state, write_checkpoint
+    from server.make_tokenizer import write_tokenizer
+
+    cfg = preset_config(preset)
+    torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    out = write_checkpoint(out_dir, cfg, random_state(cfg, seed), layout=layout, dtype=torch_dtype, quantize=quantize)
+    write_tokenizer(out, cfg.vocab_size)
+    return out
+
+
+def builtin_model_dir() -> Path:
+    target = cache_root() / BUILTIN_NAME
+    if (target / "config.json").exists() and (target / "tokenizer.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=BUILTIN_NAME + ".", dir=target.parent))
+    try:
+        make_model_dir(staging, "small")
+        try:
+            staging.rename(target)
+        except OSError:  # another process won the race; its copy is identical
+            pass
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target

@@ -1,0 +1,193 @@
+"""The `ringserve` command line: make-model, generate.
+
+Every user error (bad flag value, unreadable checkpoint, invalid sampling parameter) ends as
+one line `ringserve: error: …` on stderr and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+EXIT_USAGE = 2
+
+
+class CliError(Exception):
+    """A user-facing error; printed as one line."""
+
+
+def _add_make_model(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("make-model", help="write a random-weight checkpoint with a tokenizer")
+    p.add_argument("out_dir")
+    p.add_argument("--arch", default="v4", choices=["v4"], help="model architecture (v4 = DeepSeek-V4)")
+    p.add_argument("--preset", default="tiny", choices=["tiny", "small"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quantize", choices=["fp8-fp4"], default=None,
+                   help="store dense projections as FP8 and routed experts as FP4, as released")
+    p.add_argument("--layout", choices=["upstream", "transformers"], default="upstream",
+                   help="tensor names and config keys: upstream (released checkpoints) or transformers")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="dtype of unquantized tensors")
+    p.set_defaults(func=_cmd_make_model)
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="offline generation through the engine")
+    p.add_argument("model_dir", nargs="?", default=None, help="Hugging Face-format directory (default: built-in model)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text (tokenized with the model's tokenizer)")
+    src.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 1,2,3")
+    src.add_argument("--prompts-file", help="JSONL file: one object per line with 'prompt' or 'prompt_ids'")
+    p.add_argument("--chat", action="store_true", help="wrap text prompts in the model's chat template")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="report each generated token's logprob (and K alternatives)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--json", action="store_true", help="one JSON object per prompt, in input order")
+    p.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
+                   help="compute dtype (auto: fp32 on CPU, bf16 on GPU)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.set_defaults(func=_cmd_generate)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ringserve", description="DeepSeek-V4 serving engine")
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_make_model(sub)
+    _add_generate(sub)
+    return parser
+
+
+def _cmd_make_model(args: argparse.Namespace) -> int:
+    from server.builtin import make_model_dir
+
+    out = make_model_dir(args.out_dir, args.preset, seed=args.seed, layout=args.layout, dtype=args.dtype,
+                         quantize=args.quantize)
+    print(f"wrote {args.preset} DeepSeek-V4 checkpoint to {out}")
+    return 0
+
+
+def _read_prompts(args: argparse.Namespace, tokenizer) -> list[list[int]]:
+    def from_text(text: str) -> list[int]:
+        if tokenizer is None:
+            raise CliError("this model directory has no tokenizer.json; use --prompt-ids")
+        if args.chat:
+            return tokenizer.encode_chat([{"role": "user", "content": text}])
+        return tokenizer.encode(text)
+
+    if args.prompt is not None:
+        return [from_text(args.prompt)]
+    if args.prompt_ids is not None:
+        return [_parse_ids(args.prompt_ids, "--prompt-ids")]
+    prompts = []
+    path = Path(args.prompts_file)
+    if not path.exists():
+        raise CliError(f"--prompts-file {path}: no such file")
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise CliError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+        if not isinstance(obj, dict) or ("prompt" in obj) == ("prompt_ids" in obj):
+            raise CliError(f"{path}:{lineno}: expected an object with exactly one of 'prompt' or 'prompt_ids'")
+        if "prompt" in obj:
+            if not isinstance(obj["prompt"], str):
+                raise CliError(f"{path}:{lineno}: 'prompt' must be a string")
+            prompts.append(from_text(obj["prompt"]))
+        else:
+            ids = obj["prompt_ids"]
+            if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+                raise CliError(f"{path}:{lineno}: 'prompt_ids' must be a list of integers")
+            prompts.append(ids)
+    if not prompts:
+        raise CliError(f"{path}: no prompts")
+    return prompts
+
+
+def _parse_ids(text: str, flag: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise CliError(f"{flag}: expected comma-separated integers, got {text!r}") from None
+
+
+def _check_ids(prompts: list[list[int]], vocab_size: int) -> None:
+    for i, ids in enumerate(prompts):
+        if not ids:
+            raise CliError(f"prompt {i} is empty")
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise CliError(f"prompt {i}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from engine.generate import generate
+    from engine.sampling import SamplingParams
+    from engine.weights import load_model
+    from server.builtin import builtin_model_dir
+
+    model_dir = Path(args.model_dir) if args.model_dir else builtin_model_dir()
+    if not model_dir.is_dir():
+        raise CliError(f"{model_dir}: not a directory")
+    tokenizer = _load_tokenizer(model_dir)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, logprobs=args.logprobs, ignore_eos=args.ignore_eos)
+    prompts = _read_prompts(args, tokenizer)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    model = load_model(model_dir, dtype=dtype, progress=sys.stderr.isatty())
+    _check_ids(prompts, model.cfg.vocab_size)
+    results = generate(model, prompts, params, eos_token_ids=model.cfg.eos_token_ids,
+                       max_batched_tokens=args.max_num_batched_tokens)
+    for i, r in enumerate(results):
+        text = tokenizer.decode(r.token_ids) if tokenizer is not None else None
+        if args.json:
+            record: dict[str, Any] = {"index": i, "prompt_tokens": len(r.prompt_token_ids), "token_ids": r.token_ids,
+                                      "text": text, "finish_reason": r.finish_reason}
+            if args.logprobs is not None:
+                record["logprobs"] = r.logprobs
+                if args.logprobs:
+                    record["top_logprobs"] = [[[t, lp] for t, lp in row] for row in r.top_logprobs]
+            print(json.dumps(record), flush=True)
+        else:
+            print(text if text is not None else " ".join(map(str, r.token_ids)), flush=True)
+    return 0
+
+
+def _load_tokenizer(model_dir: Path):
+    if not (model_dir / "tokenizer.json").exists():
+        return None
+    from server.tokenizer import Tokenizer
+
+    return Tokenizer.from_dir(model_dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from engine.config import ConfigError
+    from engine.sampling import SamplingError
+    from engine.weights import WeightLoadError
+
+    try:
+        return args.func(args)
+    except (CliError, ConfigError, WeightLoadError, SamplingError, ValueError, OSError) as exc:
+        message = " ".join(str(exc).split())  # one line, whatever the exception carried
+        print(f"ringserve: error: {message}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())
