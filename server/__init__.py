@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP front end of ringserve (tokenizer, API handlers)."""
