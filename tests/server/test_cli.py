@@ -1,0 +1,92 @@
+"""`ringserve make-model` and `ringserve generate` as a user runs them (real subprocesses)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engine.generate import generate
+from engine.sampling import SamplingParams
+from engine.weights import load_model
+
+
+def ringserve(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "server.cli", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{cmd} failed ({proc.returncode}): {proc.stderr}")
+    return proc
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli") / "tiny"
+    proc = ringserve("make-model", str(out), "--arch", "v4", "--preset", "tiny", "--seed", "7")
+    assert "tiny" in proc.stdout
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert (out / name).exists(), name
+    return out
+
+
+def test_generate_json_prompts_file_in_input_order(tiny_dir, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    lines = [{"prompt": "Hello there"}, {"prompt_ids": [5, 9, 200, 31]}, {"prompt": "A longer prompt " * 5}]
+    prompts.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    proc = ringserve("generate", str(tiny_dir), "--prompts-file", str(prompts), "--max-tokens", "6",
+                     "--logprobs", "0", "--json", "--ignore-eos")
+    records = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [r["index"] for r in records] == [0, 1, 2]
+    assert records[1]["prompt_tokens"] == 4
+    for r in records:
+        assert len(r["token_ids"]) == 6 and r["finish_reason"] == "length"
+        assert len(r["logprobs"]) == 6 and all(lp <= 0 for lp in r["logprobs"])
+        assert isinstance(r["text"], str)
+    # Each prompt alone gives the same tokens as in the concurrent run.
+    alone = ringserve("generate", str(tiny_dir), "--prompt-ids", "5,9,200,31", "--max-tokens", "6", "--json",
+                      "--ignore-eos")
+    assert json.loads(alone.stdout)["token_ids"] == records[1]["token_ids"]
+
+
+def test_sampled_generation_is_reproducible_with_a_seed(tiny_dir):
+    args = ("generate", str(tiny_dir), "--prompt", "seeded", "--max-tokens", "8", "--temperature", "1.0",
+            "--top-p", "0.9", "--top-k", "50", "--seed", "11", "--json", "--ignore-eos")
+    first, second = ringserve(*args), ringserve(*args)
+    assert json.loads(first.stdout)["token_ids"] == json.loads(second.stdout)["token_ids"]
+
+
+def test_generation_stops_at_eos_like_transformers(tiny_dir):
+    model = load_model(tiny_dir, dtype=torch.float32, progress=False)
+    prompt = [5, 9, 200, 31]
+    free = generate(model, [prompt], SamplingParams(max_tokens=5, ignore_eos=True))[0].token_ids
+    # Declare the third greedy token the EOS: generation must end there, EOS included.
+    stopped = generate(model, [prompt], SamplingParams(max_tokens=5), eos_token_ids=(free[2],))[0]
+    assert stopped.token_ids == free[:3] and stopped.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--prompt-ids", "1,x,3"], "--prompt-ids"),
+    (["--prompt-ids", "1,99999"], "token id 99999"),
+    (["--prompt", "hi", "--temperature", "-1"], "temperature"),
+    (["--prompt", "hi", "--top-p", "1.5"], "top_p"),
+    (["--prompt", "hi", "--max-tokens", "0"], "max_tokens"),
+])
+def test_bad_input_is_one_line_error(tiny_dir, args, fragment):
+    proc = ringserve("generate", str(tiny_dir), *args, check=False)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ringserve: error:") and fragment in lines[0]
+
+
+def test_truncated_checkpoint_is_one_line_error(tiny_dir, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_dir, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    proc = ringserve("generate", str(broken), "--prompt-ids", "1,2", check=False)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "model.safetensors" in lines[0]
