@@ -161,7 +161,10 @@ class Attention(nn.Module):
         comp_rows = self.compressor.project(x, positions) if self.compressor is not None else None
         if self.indexer is not None:
             idx_rows = self.indexer.compressor.project(x, positions)
-            idx_q, idx_w = self.indexer.queries(q_res, x, cos, sin)
+            # Index queries matter only once some sequence has more entries than top-k.
+            idx_q = idx_w = None
+            if max((s.start + s.length) // self.ratio for s in seqs) > self.indexer.topk:
+                idx_q, idx_w = self.indexer.queries(q_res, x, cos, sin)
         out = torch.empty(x.shape[0], cfg.num_heads, cfg.head_dim, dtype=torch.float32, device=x.device)
         for s in seqs:
             st: LayerState = s.state.layers[layer]
@@ -176,7 +179,8 @@ class Attention(nn.Module):
                     n_keys = self.indexer.compressor.step(
                         st.indexer, idx_rows[sl], s.start, rope.compress_table, x.dtype)
                     keys = st.indexer.entries.read(n_keys)
-                    mask = self.indexer.select(idx_q[sl], idx_w[sl], keys, mask)
+                    if idx_q is not None:
+                        mask = self.indexer.select(idx_q[sl], idx_w[sl], keys, mask)
             out[sl] = self._attend(q[sl].float(), kv[sl], st, s.start, entries, mask)
         out = apply_rope(out.to(x.dtype), cos, sin, inverse=True)  # undo V's rotation
         grouped = out.view(x.shape[0], cfg.o_groups, -1)  # [T, G, H·hd/G]
