@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .attention import SeqSlice
+from .kv_cache import KVCache
 from .model import DeepseekV4
 from .sampling import SamplingParams, sample_token, token_logprobs
 from .seq_state import SequenceState
@@ -50,9 +51,13 @@ def _prefill_order(actives: list[_Active], budget: int) -> list[tuple[_Active, i
 
 @torch.inference_mode()
 def generate(model: DeepseekV4, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-             eos_token_ids: tuple[int, ...] = (), max_batched_tokens: int = 2048) -> list[Generation]:
+             eos_token_ids: tuple[int, ...] = (), max_batched_tokens: int = 2048,
+             cache: KVCache | None = None) -> list[Generation]:
     """Generate for every prompt; results in input order. Stops at EOS (kept in token_ids,
-    as transformers does), a stop token, or max_tokens."""
+    as transformers does), a stop token, or max_tokens.
+
+    With `cache`, every sequence lives in its shared paged pools (blocks are freed as each
+    finishes); without, each gets a private dense state."""
     params_list = params if isinstance(params, list) else [params] * len(prompts)
     if len(params_list) != len(prompts):
         raise ValueError("one SamplingParams per prompt")
@@ -62,12 +67,25 @@ def generate(model: DeepseekV4, prompts: list[list[int]], params: SamplingParams
         if not prompt:
             raise ValueError(f"prompt {i} is empty")
         gen = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
-        actives.append(_Active(i, p, model.new_state(), list(prompt), gen))
+        state = cache.new_sequence() if cache is not None else model.new_state()
+        actives.append(_Active(i, p, state, list(prompt), gen))
+    try:
+        _run(model, actives, results, eos_token_ids, max_batched_tokens, cache)
+    finally:
+        if cache is not None:
+            for a in actives:
+                cache.free(a.state)
+    return results
+
+
+def _run(model, actives, results, eos_token_ids, max_batched_tokens, cache) -> None:
     while actives:
         chosen = _prefill_order(actives, max_batched_tokens)
         token_ids, positions, seqs, begin = [], [], [], 0
         for a, take in chosen:
             start = a.state.num_tokens
+            if cache is not None and not cache.allocate(a.state, start, start + take):
+                raise RuntimeError("KV cache exhausted: give it more blocks or run fewer prompts at once")
             token_ids.extend(a.pending[:take])
             positions.extend(range(start, start + take))
             seqs.append(SeqSlice(a.state, start, begin, take))
@@ -80,8 +98,10 @@ def generate(model: DeepseekV4, prompts: list[list[int]], params: SamplingParams
             logits = model.logits(streams[[row for _, row in finished_rows]])
             for (a, _), row_logits in zip(finished_rows, logits):
                 _append_token(a, row_logits, results[a.index], eos_token_ids)
+        for a in actives:
+            if cache is not None and results[a.index].finish_reason is not None:
+                cache.free(a.state)
         actives = [a for a in actives if results[a.index].finish_reason is None]
-    return results
 
 
 def _append_token(a: _Active, logits: torch.Tensor, out: Generation, eos_token_ids: tuple[int, ...]) -> None:

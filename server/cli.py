@@ -57,12 +57,24 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_generate)
 
 
+def _add_kv_report(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("kv-report", help="KV bytes per token of every pool, per-sequence state, total at a context")
+    p.add_argument("model", help="model directory, config.json path, or a known name (deepseek-v4-flash)")
+    p.add_argument("--kv-dtype", choices=["bf16", "fp8", "fp4"], default="fp8",
+                   help="KV record format (default fp8: e4m3 entries + fp4 index keys, the GPU deployment)")
+    p.add_argument("--context", type=int, default=131072, help="tokens for the total line")
+    p.add_argument("--block-size", type=int, default=256)
+    p.add_argument("--json", action="store_true", help="one JSON object")
+    p.set_defaults(func=_cmd_kv_report)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ringserve", description="DeepSeek-V4 serving engine")
     parser.add_argument("--log-level", default="WARNING")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_make_model(sub)
     _add_generate(sub)
+    _add_kv_report(sub)
     return parser
 
 
@@ -72,6 +84,42 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
     out = make_model_dir(args.out_dir, args.preset, seed=args.seed, layout=args.layout, dtype=args.dtype,
                          quantize=args.quantize)
     print(f"wrote {args.preset} DeepSeek-V4 checkpoint to {out}")
+    return 0
+
+
+def _cmd_kv_report(args: argparse.Namespace) -> int:
+    from engine.config import ModelConfig
+    from engine.kv_layout import build_layout
+
+    known = Path(__file__).resolve().parents[1] / "engine" / "configs" / f"{args.model}.json"
+    source = known if not Path(args.model).exists() and known.exists() else Path(args.model)
+    cfg = ModelConfig.from_model_dir(source)
+    if args.context < 0:
+        raise CliError("--context must be ≥ 0")
+    layout = build_layout(cfg, args.kv_dtype, "bf16", args.block_size)
+    pools = [{"name": p.name, "group": p.group, "format": p.fmt, "width": p.width, "record_bytes": p.record_bytes,
+              "tokens_per_record": p.tokens_per_record, "layers": len(p.layers), "window_tokens": p.window,
+              "bytes_per_token": p.bytes_per_token, "per_sequence_bytes": p.per_sequence_bytes}
+             for p in layout.pools]
+    report = {"model": str(source), "kv_dtype": args.kv_dtype, "block_size": args.block_size, "pools": pools,
+              "global_bytes_per_token": layout.global_bytes_per_token,
+              "per_sequence_bytes": layout.per_sequence_bytes, "context": args.context,
+              "total_bytes_at_context": layout.global_bytes_per_token * args.context + layout.per_sequence_bytes}
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(f"{source} --kv-dtype {args.kv_dtype}")
+    print(f"{'pool':16} {'group':8} {'format':11} {'record B':>9} {'layers':>6} {'tok/rec':>7} "
+          f"{'B/token':>10} {'per-seq B':>12}")
+    for p in pools:  # full pools grow per token; sliding pools are a fixed per-sequence window
+        per_token = f"{p['bytes_per_token']:10.2f}" if p["group"] == "full" else f"{'-':>10}"
+        per_seq = f"{p['per_sequence_bytes']:12,d}" if p["group"] == "sliding" else f"{'-':>12}"
+        print(f"{p['name']:16} {p['group']:8} {p['format']:11} {p['record_bytes']:9d} {p['layers']:6d} "
+              f"{p['tokens_per_record']:7d} {per_token} {per_seq}")
+    print(f"global KV (grows with context): {layout.global_bytes_per_token:,.2f} B/token "
+          f"({layout.global_bytes_per_token / 1024:.2f} KiB)")
+    print(f"fixed per-sequence state (window + compressor rows): {layout.per_sequence_bytes / 2**20:.2f} MiB")
+    print(f"total at {args.context:,} tokens: {report['total_bytes_at_context'] / 2**20:,.1f} MiB per sequence")
     return 0
 
 

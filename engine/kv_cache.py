@@ -1,0 +1,201 @@
+"""Preallocated paged KV pools shared by every sequence, and per-sequence views onto them.
+
+`PagedSequence` offers the same position-indexed interface as the dense `SequenceState`
+(`window`, `compressor.rows`, `compressor.entries`, `indexer.*` with `read`/`write`), so the
+attention maths is unchanged; slots come from the sequence's block table and records are
+quantized on write and dequantized on read by the `kernels` ops (raw dtypes are indexed
+directly).
+"""
+
+from __future__ import annotations
+
+import torch
+
+import kernels
+
+from .block_manager import BlockManager, BlockTable
+from .config import ModelConfig
+from .kv_layout import RAW_FORMATS, KVLayout, PoolSpec, build_layout
+
+_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+class Pool:
+    """One pool spec's storage: a tensor per writer layer, [num_blocks, records per block, …]."""
+
+    def __init__(self, spec: PoolSpec, num_blocks: int, block_size: int, device: torch.device | str):
+        self.spec = spec
+        self.records_per_block = block_size // spec.tokens_per_record
+        if spec.fmt in RAW_FORMATS:
+            shape = (num_blocks, self.records_per_block, spec.width)
+            dtype = _TORCH_DTYPES[spec.fmt]
+        else:
+            shape = (num_blocks, self.records_per_block, spec.record_bytes)
+            dtype = torch.uint8
+        self.tensors = {layer: torch.zeros(shape, dtype=dtype, device=device) for layer in spec.layers}
+
+    def read(self, layer: int, slots: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        t = self.tensors[layer]
+        if self.spec.fmt in RAW_FORMATS:
+            return t.view(-1, t.shape[-1])[slots].to(out_dtype)
+        return kernels.gather_dequantize(t, slots, self.spec.fmt, out_dtype)
+
+    def write(self, layer: int, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        t = self.tensors[layer]
+        if self.spec.fmt in RAW_FORMATS:
+            t.view(-1, t.shape[-1])[slots] = rows.to(t.dtype)
+        else:
+            kernels.quantize_scatter(rows.contiguous(), t, slots, self.spec.fmt)
+
+
+class _Slots:
+    """Position → slot arithmetic for one sequence's block table."""
+
+    def __init__(self, table: BlockTable, block_size: int, device):
+        self.table, self.block_size, self.device = table, block_size, device
+
+    def sliding(self, start: int, end: int) -> torch.Tensor:
+        b = self.block_size
+        if end <= start:
+            return torch.empty(0, dtype=torch.long, device=self.device)
+        first = start // b
+        ids = torch.tensor([self.table.sliding[i] for i in range(first, (end - 1) // b + 1)], device=self.device)
+        pos = torch.arange(start, end, device=self.device)
+        return ids[pos // b - first] * b + pos % b
+
+    def full(self, first_entry: int, end_entry: int, tokens_per_record: int) -> torch.Tensor:
+        per_block = self.block_size // tokens_per_record
+        ids = torch.tensor(self.table.full, dtype=torch.long, device=self.device)
+        w = torch.arange(first_entry, end_entry, device=self.device)
+        return ids[w // per_block] * per_block + w % per_block
+
+
+class PagedRows:
+    """Per-token rows of a sliding pool (window KV or compressor state) for one layer."""
+
+    def __init__(self, pool: Pool, layer: int, slots: _Slots, dtype: torch.dtype):
+        self.pool, self.layer, self.slots, self.dtype = pool, layer, slots, dtype
+
+    def read(self, start: int, end: int) -> torch.Tensor:
+        return self.pool.read(self.layer, self.slots.sliding(start, end), self.dtype)
+
+    def write(self, start: int, rows: torch.Tensor) -> None:
+        self.pool.write(self.layer, self.slots.sliding(start, start + rows.shape[0]), rows)
+
+
+class PagedEntries:
+    """Compressed records (entries or index keys) of a full pool for one layer, by entry index."""
+
+    def __init__(self, pool: Pool, layer: int, slots: _Slots, dtype: torch.dtype):
+        self.pool, self.layer, self.slots, self.dtype = pool, layer, slots, dtype
+
+    def read(self, count: int) -> torch.Tensor:
+        return self.pool.read(self.layer, self.slots.full(0, count, self.pool.spec.tokens_per_record), self.dtype)
+
+    def write(self, start: int, rows: torch.Tensor) -> None:
+        slots = self.slots.full(start, start + rows.shape[0], self.pool.spec.tokens_per_record)
+        self.pool.write(self.layer, slots, rows)
+
+
+class _CompressorView:
+    def __init__(self, rows: PagedRows, entries: PagedEntries):
+        self.rows, self.entries = rows, entries
+
+
+class _LayerView:
+    def __init__(self, window: PagedRows, compressor: _CompressorView | None, indexer: _CompressorView | None):
+        self.window, self.compressor, self.indexer = window, compressor, indexer
+
+
+class PagedSequence:
+    """A sequence's state in the shared pools; same contract as `SequenceState`."""
+
+    def __init__(self, cache: "KVCache", layers: list[int], table: BlockTable | None = None):
+        self.cache = cache
+        self.table = table if table is not None else BlockTable()
+        self.num_tokens = 0
+        self.slack = cache.manager.slack
+        slots = _Slots(self.table, cache.layout.block_size, cache.device)
+        self.layers = [cache._layer_view(layer, slots) for layer in layers]
+
+    def rewind(self, num_tokens: int) -> None:
+        if not (self.num_tokens - self.slack <= num_tokens <= self.num_tokens):
+            raise ValueError(f"cannot rewind from {self.num_tokens} to {num_tokens} (slack {self.slack})")
+        self.num_tokens = num_tokens
+
+
+class KVCache:
+    """All pools of a layout, preallocated, plus the block manager that hands out their blocks."""
+
+    def __init__(self, cfg: ModelConfig, layout: KVLayout, num_full_blocks: int, num_sliding_blocks: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu", slack: int = 8):
+        self.cfg, self.layout, self.dtype, self.device = cfg, layout, dtype, device
+        self.manager = BlockManager(layout, num_full_blocks, num_sliding_blocks, slack)
+        self.pools = {
+            spec.name: Pool(spec, num_full_blocks if spec.group == "full" else num_sliding_blocks,
+                            layout.block_size, device)
+            for spec in layout.pools
+        }
+
+    @classmethod
+    def for_model(cls, model, kv_dtype: str = "auto", max_num_seqs: int = 64, max_tokens_per_step: int = 2048,
+                  num_full_blocks: int | None = None, memory_bytes: int | None = None, block_size: int = 256,
+                  slack: int = 8) -> "KVCache":
+        """Pools for `model`: growable blocks from `num_full_blocks` or from what `memory_bytes`
+        leaves after the sliding (per-sequence) blocks of `max_num_seqs` sequences."""
+        compute = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[model.dtype]
+        layout = build_layout(model.cfg, kv_dtype, compute, block_size, num_mtp_layers=len(model.mtp))
+        sliding = cls.blocks_for(layout, max_num_seqs, max_tokens_per_step, slack)
+        if num_full_blocks is None:
+            if memory_bytes is None:
+                raise ValueError("give num_full_blocks or memory_bytes")
+            left = memory_bytes - sliding * layout.group_block_bytes("sliding")
+            num_full_blocks = left // max(1, layout.group_block_bytes("full"))
+            if num_full_blocks < 2:
+                raise ValueError(f"KV memory {memory_bytes} bytes is too small for {max_num_seqs} sequences")
+        return cls(model.cfg, layout, num_full_blocks, sliding, model.dtype, model.device, slack)
+
+    @staticmethod
+    def blocks_for(layout: KVLayout, max_num_seqs: int, max_tokens_per_step: int, slack: int = 8) -> int:
+        """Sliding blocks that `max_num_seqs` sequences need at once, the largest step included."""
+        b = layout.block_size
+        per_seq = -(-layout.sliding_keep(slack) // b) + 2
+        return max_num_seqs * per_seq + -(-max_tokens_per_step // b) + 1
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for p in self.pools.values() for t in p.tensors.values())
+
+    def _layer_view(self, layer: int, slots: _Slots) -> _LayerView:
+        cfg, dt = self.cfg, self.dtype
+        window = PagedRows(self.pools["swa"], layer, slots, dt)
+        if layer >= cfg.num_layers or cfg.compress_ratios[layer] == 0:
+            return _LayerView(window, None, None)
+        m, kind = cfg.compress_ratios[layer], cfg.layer_kinds[layer]
+        src = lambda name: self.layout.source_layer(name, layer)  # noqa: E731
+        state = self.pools[f"state_c{m}_{kind}"]
+        entries = self.pools[f"c{m}"]
+        compressor = _CompressorView(PagedRows(state, src(state.spec.name), slots, torch.float32),
+                                     PagedEntries(entries, src(entries.spec.name), slots, dt))
+        indexer = None
+        if kind == "csa":
+            keys, rows = self.pools[f"idx{m}"], self.pools[f"state_idx{m}"]
+            indexer = _CompressorView(PagedRows(rows, src(rows.spec.name), slots, torch.float32),
+                                      PagedEntries(keys, src(keys.spec.name), slots, dt))
+        return _LayerView(window, compressor, indexer)
+
+    def new_sequence(self) -> PagedSequence:
+        """State of the main model's layers."""
+        return PagedSequence(self, list(range(self.cfg.num_layers)))
+
+    def new_mtp_sequence(self, main: PagedSequence, index: int = 0) -> PagedSequence:
+        """State of MTP layer `index`; it shares the main sequence's block table (same positions),
+        so its window costs no extra allocation."""
+        return PagedSequence(self, [self.cfg.num_layers + index], table=main.table)
+
+    def allocate(self, seq: PagedSequence, start: int, end: int) -> bool:
+        return self.manager.allocate(seq.table, start, end)
+
+    def free(self, seq: PagedSequence) -> None:
+        self.manager.free(seq.table)
+        seq.num_tokens = 0
