@@ -90,3 +90,19 @@ def test_truncated_checkpoint_is_one_line_error(tiny_dir, tmp_path):
     proc = ringserve("generate", str(broken), "--prompt-ids", "1,2", check=False)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and "model.safetensors" in lines[0]
+
+
+def test_kv_report_of_released_v4_flash():
+    proc = ringserve("kv-report", "deepseek-v4-flash", "--kv-dtype", "fp8", "--context", "1000", "--json")
+    report = json.loads(proc.stdout)
+    assert report["global_bytes_per_token"] == pytest.approx(3514.25)  # ≈ 3.5 KB/token (model-spec §4)
+    assert report["total_bytes_at_context"] == pytest.approx(3514.25 * 1000 + report["per_sequence_bytes"])
+    assert {p["name"] for p in report["pools"]} >= {"swa", "c4", "c128", "idx4"}
+    text = ringserve("kv-report", "deepseek-v4-flash").stdout
+    assert "3,514.25 B/token" in text
+
+
+def test_kv_report_of_a_model_dir(tiny_dir):
+    report = json.loads(ringserve("kv-report", str(tiny_dir), "--kv-dtype", "bf16", "--json").stdout)
+    # tiny: 2 CSA layers (m=4) with 32-wide entries and 16-wide index keys, 1 HCA layer (m=8), bf16.
+    assert report["global_bytes_per_token"] == pytest.approx(2 * 64 / 4 + 2 * 32 / 4 + 64 / 8)
