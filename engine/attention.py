@@ -123,12 +123,13 @@ class Indexer(nn.Module):
 
     def select(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         """Mask [n, E] of the entries each query attends: its top-k visible entries by index
-        score (all visible ones when there are ≤ k). Ties at the k-th score are broken by
-        torch.topk, as in the reference."""
+        score (all visible ones when there are ≤ k); ties go to the lower entry index."""
         if int(visible.sum(-1).max()) <= self.topk:
             return visible
         scores = self.scores(q, w, keys).masked_fill_(~visible, float("-inf"))  # [n, E]
-        picked = scores.topk(min(self.topk, scores.shape[-1]), dim=-1).indices
+        # A stable sort breaks exact ties (ReLU zeros are common) by entry index, so the choice
+        # does not depend on how the step was batched or chunked.
+        picked = scores.sort(dim=-1, descending=True, stable=True).indices[:, : self.topk]
         mask = torch.zeros_like(visible).scatter_(-1, picked, True)
         return mask & visible
 

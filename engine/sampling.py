@@ -22,6 +22,9 @@ class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = disabled
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: int | None = None
     logprobs: int | None = None  # None = no logprobs; N ≥ 0 = sampled token (+ top N alternatives)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
@@ -33,6 +36,11 @@ class SamplingParams:
             (math.isfinite(self.temperature) and self.temperature >= 0, "temperature", "must be ≥ 0"),
             (math.isfinite(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
             (isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "must be an integer ≥ 0"),
+            (math.isfinite(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]"),
+            (math.isfinite(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty",
+             "must be in [-2, 2]"),
+            (math.isfinite(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty",
+             "must be in [-2, 2]"),
             (self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20), "logprobs",
              "must be an integer in [0, 20]"),
             (self.seed is None or isinstance(self.seed, int), "seed", "must be an integer"),
@@ -44,6 +52,14 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def shapes_distribution(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
 
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:

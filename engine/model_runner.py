@@ -1,0 +1,158 @@
+"""One engine step on the model: Batch → tensors → target forward → sample / verify → MTP drafts.
+
+Rows that need logits are the last (1 + drafts) positions of every request whose step reaches
+the end of its known tokens. With speculation on, the MTP head then consumes the target's
+accepted rows (keeping its own window in step with the model's) and drafts k tokens for the
+next step by applying the single MTP layer k times to its own output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .attention import SeqSlice
+from .kv_cache import KVCache
+from .model import DeepseekV4
+from .request import Request
+from .sampler import apply_penalties, logprobs_of, sample, to_probs
+from .scheduler import Batch, RequestStepOutput, ScheduledRequest
+from .speculative import verify
+
+
+@dataclass
+class _Pending:
+    """A request that samples this step, with its rows in the flattened batch."""
+
+    sched: ScheduledRequest
+    begin: int  # first row of the request in the flattened batch
+    logit_rows: slice  # its rows in the logits tensor
+
+
+class ModelRunner:
+    def __init__(self, model: DeepseekV4, cache: KVCache, num_speculative_tokens: int = 0):
+        if num_speculative_tokens and not len(model.mtp):
+            raise ValueError("--speculative-tokens needs a checkpoint with MTP weights (num_nextn_predict_layers ≥ 1)")
+        self.model, self.cache, self.k = model, cache, num_speculative_tokens
+        self.device = model.device
+        # Test hook replacing MTP drafts (e.g. to force wrong ones): f(request, accepted_now, drafts) -> drafts.
+        self.draft_override = None
+
+    @torch.inference_mode()
+    def execute(self, batch: Batch) -> dict[str, RequestStepOutput]:
+        tokens, positions, seqs, pending, rows = [], [], [], [], []
+        begin = 0
+        for s in batch.scheduled:
+            req = s.request
+            tokens.extend(req.token_at(p) for p in range(s.start, s.start + s.num_tokens))
+            positions.extend(range(s.start, s.start + s.num_tokens))
+            seqs.append(SeqSlice(req.seq, s.start, begin, s.num_tokens))
+            if s.reaches_end:
+                first = begin + s.num_tokens - 1 - s.num_draft
+                pending.append(_Pending(s, begin, slice(len(rows), len(rows) + 1 + s.num_draft)))
+                rows.extend(range(first, begin + s.num_tokens))
+            begin += s.num_tokens
+        token_t = torch.tensor(tokens, device=self.device)
+        pos_t = torch.tensor(positions, device=self.device)
+        streams = self.model(token_t, pos_t, seqs)
+        outputs: dict[str, RequestStepOutput] = {}
+        if pending:
+            logits = self.model.logits(streams[rows])
+            outputs = self._sample(pending, logits)
+        if self.k:
+            self._run_mtp(batch, streams, token_t, outputs)
+        return outputs
+
+    # ---- sampling and verification ----------------------------------------------------------
+    def _sample(self, pending: list[_Pending], logits: torch.Tensor) -> dict[str, RequestStepOutput]:
+        row_params, history = [], []
+        for pend in pending:
+            req, s = pend.sched.request, pend.sched
+            out = req.output_token_ids
+            for j in range(1 + s.num_draft):  # row j sees the outputs before it, drafts included
+                row_params.append(req.params)
+                history.append(out + req.draft_token_ids[:j] if req.params.has_penalties else [])
+        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        probs = to_probs(apply_penalties(logits, row_params, history), row_params)
+        outputs = {}
+        for pend in pending:
+            req, s = pend.sched.request, pend.sched
+            if not all(finite[pend.logit_rows]):
+                outputs[req.request_id] = RequestStepOutput([], error="non-finite logits")
+                continue
+            drafts = req.draft_token_ids[: s.num_draft]
+            draft_probs = req.draft_probs[: s.num_draft] if req.draft_probs is not None and s.num_draft else None
+            accepted = verify(probs[pend.logit_rows], drafts, draft_probs, req.generator)
+            out = RequestStepOutput(accepted)
+            if req.params.logprobs is not None:
+                rows_logits = logits[pend.logit_rows][: len(accepted)]
+                out.logprobs, out.top_logprobs = logprobs_of(rows_logits, torch.tensor(accepted, device=self.device),
+                                                             req.params.logprobs)
+            outputs[req.request_id] = out
+        return outputs
+
+    # ---- MTP drafting ------------------------------------------------------------------------
+    def _run_mtp(self, batch: Batch, streams: torch.Tensor, tokens: torch.Tensor,
+                 outputs: dict[str, RequestStepOutput]) -> None:
+        """Feed the MTP layer every accepted row of this step, then draft k tokens per request
+        that sampled. Row at position q pairs the target's streams at q with token q + 1."""
+        mtp = self.model.mtp[0]
+        rows, next_tokens, positions, seqs, drafting = [], [], [], [], []
+        begin = offset = 0  # row in the MTP batch / row in the target batch
+        for s in batch.scheduled:
+            offset += s.num_tokens
+            s_offset = offset - s.num_tokens
+            req = s.request
+            out = outputs.get(req.request_id)
+            if out is not None and out.error:
+                continue
+            accepted = out.accepted if out is not None else []
+            n = s.num_tokens - (s.num_draft - max(len(accepted) - 1, 0)) if out is not None else s.num_tokens
+            committed_end = s.start + n  # token at committed_end comes from `accepted`
+            if req.mtp_seq is None:
+                req.mtp_seq = self.cache.new_mtp_sequence(req.seq)
+            base = s.request.token_ids
+            for q in range(s.start, s.start + n):
+                nxt = q + 1
+                next_tokens.append(base[nxt] if nxt < len(base) else accepted[nxt - len(base)])
+            rows.extend(range(s_offset, s_offset + n))
+            positions.extend(range(s.start, s.start + n))
+            seqs.append(SeqSlice(req.mtp_seq, s.start, begin, n))
+            if out is not None:
+                drafting.append((req, out, begin + n - 1, committed_end))
+            begin += n
+        if not rows:
+            return
+        h = mtp(self.model, streams[rows], torch.tensor(next_tokens, device=self.device),
+                torch.tensor(positions, device=self.device), seqs)
+        self._draft(drafting, h)
+
+    def _draft(self, drafting, h: torch.Tensor) -> None:
+        mtp = self.model.mtp[0]
+        live = []
+        for req, out, row, committed_end in drafting:
+            # Drafting writes the MTP window up to position committed_end + k − 2.
+            if self.cache.allocate(req.seq, committed_end, committed_end + self.k):
+                live.append((req, out, row, committed_end))
+        if not live:
+            return
+        cur = h[[row for _, _, row, _ in live]]  # [R, n, D] MTP streams at each last accepted row
+        params = [req.params for req, *_ in live]
+        drafts = [[] for _ in live]
+        probs_per_step = []
+        for step in range(self.k):
+            probs = to_probs(mtp.logits(self.model, cur), params)
+            tok = sample(probs, [req.generator for req, *_ in live])
+            probs_per_step.append(probs)
+            for j, t in enumerate(tok.tolist()):
+                drafts[j].append(t)
+            if step + 1 == self.k:
+                break
+            pos = torch.tensor([ce + step for *_, ce in live], device=self.device)
+            seqs = [SeqSlice(req.mtp_seq, ce + step, j, 1) for j, (req, _, _, ce) in enumerate(live)]
+            cur = mtp(self.model, cur, tok, pos, seqs)
+        stacked = torch.stack(probs_per_step, dim=1)  # [R, k, V]
+        for j, (req, out, _, _) in enumerate(live):
+            out.drafts = drafts[j] if self.draft_override is None else self.draft_override(req, out.accepted, drafts[j])
+            req.draft_probs = None if (req.params.greedy or self.draft_override) else stacked[j]

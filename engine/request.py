@@ -1,0 +1,92 @@
+"""A request's state is a handful of counters over one token list.
+
+    token_ids            prompt + accepted output tokens ("known")
+    draft_token_ids      speculative tokens proposed by the MTP head, not yet verified
+    num_computed_tokens  positions whose KV is in the cache
+
+Every step lets `num_computed_tokens` catch up with `len(token_ids) + len(draft_token_ids)`
+under the token budget; chunked prefill, decode and verification are that one arithmetic.
+After a step, rejected drafts are subtracted again and the cache state is rewound.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS or a stop token
+    LENGTH = "length"  # max_tokens
+    ABORT = "abort"  # client or operator
+    ERROR = "error"  # this request failed (e.g. non-finite logits); others are unaffected
+
+
+class RequestError(ValueError):
+    """A request the engine refuses up front; the message states the reason and the numbers."""
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    token_ids: list[int] = field(init=False)
+    draft_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    num_preemptions: int = 0
+    # Engine-owned handles: the paged state of the main model and of the MTP head.
+    seq: object | None = None
+    mtp_seq: object | None = None
+    generator: torch.Generator | None = None
+    # Draft distributions [k, V] of sampled (non-greedy) drafts, needed to verify them.
+    draft_probs: torch.Tensor | None = None
+    # Output tokens already handed to the caller (for streaming deltas).
+    num_emitted: int = 0
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self.token_ids) + len(self.draft_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def token_at(self, position: int) -> int:
+        """Token at `position` of the known-plus-draft sequence."""
+        n = len(self.token_ids)
+        return self.token_ids[position] if position < n else self.draft_token_ids[position - n]

@@ -1,0 +1,95 @@
+"""Batched sampling: logits → the distribution each request samples from → tokens.
+
+Every row is turned into a probability vector: greedy rows into a one-hot on the argmax, the
+others by penalties, temperature, top-k, top-p and min-p. Tokens are then drawn by an
+exponential race, argmax(p / E) with E ~ Exp(1), which picks token i with probability p_i. The
+noise for a seeded request comes from its own generator, so a seed gives the same tokens
+whatever else shares the batch; one-hot rows ignore the noise, so greedy stays deterministic.
+Speculative verification (engine/speculative.py) uses the same distributions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .sampling import SamplingParams
+
+
+def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], history: list[list[int]]) -> torch.Tensor:
+    """Presence/frequency penalties over each row's previous output tokens (OpenAI semantics)."""
+    rows = [i for i, p in enumerate(params) if p.has_penalties and history[i]]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    vocab = logits.shape[-1]
+    for i in rows:
+        counts = torch.bincount(torch.tensor(history[i], device=logits.device), minlength=vocab)[:vocab].float()
+        logits[i] -= params[i].frequency_penalty * counts + params[i].presence_penalty * (counts > 0).float()
+    return logits
+
+
+def to_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """[R, V] fp32 logits → [R, V] sampling distributions (one-hot for greedy rows)."""
+    probs = torch.empty_like(logits, dtype=torch.float32)
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    if greedy:
+        idx = torch.tensor(greedy, device=logits.device)
+        probs[idx] = 0.0
+        probs[idx, logits[idx].argmax(-1)] = 1.0
+    if sampled:
+        idx = torch.tensor(sampled, device=logits.device)
+        temps = torch.tensor([params[i].temperature for i in sampled], device=logits.device)
+        p = torch.softmax(logits[idx].float() / temps[:, None], dim=-1)
+        shaping = [j for j, i in enumerate(sampled) if params[i].shapes_distribution]
+        if shaping:
+            p[shaping] = _shape([params[sampled[j]] for j in shaping], p[shaping])
+        probs[idx] = p
+    return probs
+
+
+def _shape(params: list[SamplingParams], probs: torch.Tensor) -> torch.Tensor:
+    """Apply top-k, top-p (smallest prefix reaching p; the top token always survives) and
+    min-p (drop tokens below min_p × the top probability), then renormalise."""
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    vocab = probs.shape[-1]
+    rank = torch.arange(vocab, device=probs.device)[None, :]
+    top_k = torch.tensor([p.top_k or vocab for p in params], device=probs.device)[:, None]
+    top_p = torch.tensor([p.top_p for p in params], device=probs.device)[:, None]
+    min_p = torch.tensor([p.min_p for p in params], device=probs.device)[:, None]
+    drop = (rank >= top_k) | (sorted_p.cumsum(-1) - sorted_p >= top_p) | (sorted_p < min_p * sorted_p[:, :1])
+    drop[:, 0] = False
+    sorted_p = sorted_p.masked_fill(drop, 0.0)
+    sorted_p = sorted_p / sorted_p.sum(-1, keepdim=True)
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+
+
+def exponential_noise(shape_vocab: int, generators: list[torch.Generator | None], device) -> torch.Tensor:
+    """[R, V] Exp(1) noise; rows with a generator draw from it, the rest share the global RNG."""
+    noise = torch.empty(len(generators), shape_vocab, device=device)
+    shared = [i for i, g in enumerate(generators) if g is None]
+    if shared:
+        noise[shared] = torch.empty(len(shared), shape_vocab, device=device).exponential_()
+    for i, g in enumerate(generators):
+        if g is not None:
+            noise[i] = torch.empty(shape_vocab).exponential_(generator=g).to(device)
+    return noise
+
+
+def sample(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of [R, V] probabilities: argmax(p / E)."""
+    one_hot = probs.max(-1).values == 1.0
+    if bool(one_hot.all()):
+        return probs.argmax(-1)
+    noise = exponential_noise(probs.shape[-1], generators, probs.device)
+    return torch.where(one_hot, probs.argmax(-1), (probs / noise).argmax(-1))
+
+
+def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, top_n: int) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """Raw-distribution logprob of each row's token, and its top-n alternatives."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp.gather(1, tokens[:, None]).squeeze(1).tolist()
+    if not top_n:
+        return chosen, [[] for _ in chosen]
+    values, ids = logp.topk(top_n, dim=-1)
+    return chosen, [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]

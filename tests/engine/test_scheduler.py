@@ -1,0 +1,179 @@
+"""Continuous batching, preemption, speculation and aborts through the real engine (tiny model)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.engine import Engine, EngineConfig
+from engine.generate import generate
+from engine.request import RequestError
+from engine.sampling import SamplingError, SamplingParams
+from engine.weights import load_model
+
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint_factory):
+    return load_model(checkpoint_factory("tiny-topk2", index_topk=2), dtype=torch.float32, progress=False)
+
+
+def _prompts(n: int, seed: int = 0, max_len: int = 60) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [torch.randint(2, 500, (rng.randint(1, max_len),), generator=torch.Generator().manual_seed(seed * 1000 + i)).tolist()
+            for i in range(n)]
+
+
+def _engine(model, **kw) -> Engine:
+    args = dict(max_num_seqs=8, max_num_batched_tokens=32, kv_cache_memory_bytes=4 << 20, block_size=16)
+    args.update(kw)
+    return Engine(model, EngineConfig(**args))
+
+
+def _run(engine: Engine, prompts, params=GREEDY, seed: int = 1, on_step=None) -> dict[str, list[int]]:
+    """Requests arrive at random steps; returns request id → output tokens."""
+    rng = random.Random(seed)
+    out: dict[str, list[int]] = {}
+    pending = list(enumerate(prompts))
+    while pending or engine.has_work:
+        while pending and (rng.random() < 0.4 or not engine.has_work):
+            i, p = pending.pop(0)
+            engine.add_request(str(i), p, params if isinstance(params, SamplingParams) else params[i])
+        for d in engine.step():
+            out.setdefault(d.request_id, []).extend(d.token_ids)
+        if on_step:
+            on_step(engine)
+    return out
+
+
+def _alone(model, prompts, params=GREEDY):
+    return [g.token_ids for g in generate(model, prompts, params)]
+
+
+def _assert_clean(engine: Engine) -> None:
+    assert engine.cache.manager.full.num_used == 0
+    assert engine.cache.manager.sliding.num_used == 0
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+
+
+def test_requests_arriving_at_random_steps_equal_each_alone(model):
+    prompts = _prompts(64)
+    engine = _engine(model)
+    out = _run(engine, prompts)
+    assert [out[str(i)] for i in range(64)] == _alone(model, prompts)
+    _assert_clean(engine)
+
+
+def test_preemption_under_a_small_pool_keeps_outputs(model):
+    prompts = _prompts(16, seed=2)
+    engine = _engine(model, num_kv_blocks=7)
+    out = _run(engine, prompts)
+    assert engine.stats.num_preemptions > 0
+    assert [out[str(i)] for i in range(16)] == _alone(model, prompts)
+    _assert_clean(engine)
+
+
+def test_speculation_is_lossless_under_greedy(model):
+    prompts = _prompts(12, seed=3)
+    engine = _engine(model, speculative_tokens=3)
+    out = _run(engine, prompts)
+    assert [out[str(i)] for i in range(12)] == _alone(model, prompts)
+    assert engine.stats.spec_draft_tokens > 0
+    _assert_clean(engine)
+
+
+@pytest.mark.parametrize("drafts", ["wrong", "right"])
+def test_forced_drafts_give_the_same_output(model, drafts):
+    prompts = _prompts(6, seed=4)
+    truth = {str(i): t for i, t in enumerate(_alone(model, prompts))}
+    engine = _engine(model, speculative_tokens=3)
+
+    def override(req, accepted_now, proposed):
+        if drafts == "wrong":
+            return [(t + 1) % 500 for t in proposed]
+        done = req.num_output_tokens + len(accepted_now)
+        return truth[req.request_id][done : done + 3] or proposed
+
+    engine.runner.draft_override = override
+    out = _run(engine, prompts)
+    assert out == truth
+    accepted = engine.stats.spec_accepted_per_position
+    if drafts == "wrong":
+        assert sum(accepted) == 0
+    else:
+        assert accepted[0] > 0 and accepted[2] > 0
+    _assert_clean(engine)
+
+
+def test_abort_in_every_state_frees_everything(model):
+    engine = _engine(model, speculative_tokens=3, max_num_seqs=2, max_num_batched_tokens=16)
+    prompts = _prompts(5, seed=5, max_len=40)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p + [7] * 30, GREEDY)
+    engine.step()  # request 0 prefilling (chunked), 1 waiting for budget, others waiting for a slot
+    states = {rid: (r.status.value, r.num_computed_tokens) for rid, r in engine.scheduler.requests.items()}
+    assert engine.abort("3") is not None  # waiting
+    assert engine.abort("0") is not None  # mid-prefill
+    while not any(r.draft_token_ids for r in engine.scheduler.running):
+        engine.step()
+    verifying = next(r for r in engine.scheduler.running if r.draft_token_ids)
+    assert engine.abort(verifying.request_id) is not None  # decoding with drafts pending verification
+    for rid in list(engine.scheduler.requests):
+        engine.abort(rid)
+    assert states
+    _assert_clean(engine)
+    assert engine.abort("nope") is None
+
+
+def test_same_seed_same_tokens_whatever_the_batch(model):
+    sampled = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, top_k=40, seed=123, ignore_eos=True)
+    prompt = _prompts(1, seed=6)[0]
+    alone = _run(_engine(model), [prompt], sampled)["0"]
+    others = _prompts(7, seed=7)
+    params = [sampled] + [SamplingParams(max_tokens=10, temperature=1.0, ignore_eos=True)] * 7
+    crowded = _run(_engine(model), [prompt] + others, params, seed=9)["0"]
+    assert alone == crowded
+
+
+def test_bad_sampling_parameters_are_refused():
+    for kwargs, name in [({"temperature": -1.0}, "temperature"), ({"top_p": 1.5}, "top_p"), ({"top_k": -2}, "top_k"),
+                         ({"min_p": 2.0}, "min_p"), ({"max_tokens": 0}, "max_tokens"),
+                         ({"presence_penalty": 3.0}, "presence_penalty"), ({"logprobs": 50}, "logprobs")]:
+        with pytest.raises(SamplingError, match=name):
+            SamplingParams(**kwargs)
+
+
+def test_context_overflow_is_refused_up_front(model):
+    engine = _engine(model, max_model_len=64)
+    with pytest.raises(RequestError, match=r"60 tokens.*max_tokens \(10\).*64 tokens"):
+        engine.add_request("x", [3] * 60, SamplingParams(max_tokens=10))
+    with pytest.raises(RequestError, match="vocabulary"):
+        engine.add_request("y", [3, 10**6], GREEDY)
+    assert not engine.has_work
+
+
+def test_non_finite_logits_fail_only_that_request(model):
+    engine = _engine(model)
+    prompts = _prompts(3, seed=8)
+    original = engine.runner._sample
+
+    def poisoned(pending, logits):
+        for p in pending:
+            if p.sched.request.request_id == "1":
+                logits[p.logit_rows] = float("nan")
+        return original(pending, logits)
+
+    engine.runner._sample = poisoned
+    finals = {}
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, GREEDY)
+    while engine.has_work:
+        for d in engine.step():
+            if d.finish_reason:
+                finals[d.request_id] = (d.finish_reason, d.error)
+    assert finals["1"] == ("error", "non-finite logits")
+    assert finals["0"][0] == finals["2"][0] == "length"
+    _assert_clean(engine)
