@@ -32,7 +32,12 @@ class Pool:
         else:
             shape = (num_blocks, self.records_per_block, spec.record_bytes)
             dtype = torch.uint8
-        self.tensors = {layer: torch.zeros(shape, dtype=dtype, device=device) for layer in spec.layers}
+        # Uninitialised: a slot is only read after it was written (reads stop at num_tokens), so
+        # zeroing gigabytes up front would only cost start-up time. Block 0, the dummy block that
+        # padding rows point at, is zeroed.
+        self.tensors = {layer: torch.empty(shape, dtype=dtype, device=device) for layer in spec.layers}
+        for t in self.tensors.values():
+            t[0].zero_()
 
     def read(self, layer: int, slots: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         t = self.tensors[layer]

@@ -51,10 +51,34 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help="report each generated token's logprob (and K alternatives)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt, in input order")
+    add_engine_args(p)
+    p.set_defaults(func=_cmd_generate)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine flags shared by `generate` and `serve` (vLLM-style names)."""
+    p.add_argument("--mode", choices=["throughput", "single-user"], default="throughput",
+                   help="throughput: many users, large batches; single-user: batch ≤ 4, speculation on")
     p.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
                    help="compute dtype (auto: fp32 on CPU, bf16 on GPU)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.set_defaults(func=_cmd_generate)
+    p.add_argument("--kv-dtype", choices=["auto", "bf16", "fp8", "fp4"], default="auto",
+                   help="KV record format (auto: the compute dtype)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="sequences per step (mode default)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step (mode default)")
+    p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: min(model, 32768))")
+    p.add_argument("--speculative-tokens", type=int, default=None,
+                   help="MTP draft tokens per step, 0 disables (mode default: 3 single-user, 0 throughput)")
+    p.add_argument("--kv-cache-memory", type=float, default=2.0, help="GiB for the KV pools")
+    p.add_argument("--block-size", type=int, default=256, help="tokens per KV block")
+
+
+def engine_config_from(args: argparse.Namespace):
+    from engine.engine import EngineConfig
+
+    return EngineConfig(mode=args.mode, dtype=args.dtype, kv_dtype=args.kv_dtype, max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                        speculative_tokens=args.speculative_tokens,
+                        kv_cache_memory_bytes=int(args.kv_cache_memory * 2**30), block_size=args.block_size)
 
 
 def _add_kv_report(sub: argparse._SubParsersAction) -> None:
@@ -179,37 +203,32 @@ def _check_ids(prompts: list[list[int]], vocab_size: int) -> None:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    import torch
-
-    from engine.generate import generate
     from engine.sampling import SamplingParams
-    from engine.weights import load_model
     from server.builtin import builtin_model_dir
+    from server.llm import LLM
 
     model_dir = Path(args.model_dir) if args.model_dir else builtin_model_dir()
     if not model_dir.is_dir():
         raise CliError(f"{model_dir}: not a directory")
-    tokenizer = _load_tokenizer(model_dir)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, logprobs=args.logprobs, ignore_eos=args.ignore_eos)
-    prompts = _read_prompts(args, tokenizer)
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    model = load_model(model_dir, dtype=dtype, progress=sys.stderr.isatty())
-    _check_ids(prompts, model.cfg.vocab_size)
-    results = generate(model, prompts, params, eos_token_ids=model.cfg.eos_token_ids,
-                       max_batched_tokens=args.max_num_batched_tokens)
-    for i, r in enumerate(results):
-        text = tokenizer.decode(r.token_ids) if tokenizer is not None else None
+    prompts = _read_prompts(args, _load_tokenizer(model_dir))
+    config = engine_config_from(args)
+    llm = LLM(model_dir, **{k: v for k, v in config.to_dict().items()})
+    _check_ids(prompts, llm.model.cfg.vocab_size)
+    for i, r in enumerate(llm.generate(prompts, params)):
+        if r.error:
+            print(f"ringserve: prompt {i}: {r.error}", file=sys.stderr)
         if args.json:
             record: dict[str, Any] = {"index": i, "prompt_tokens": len(r.prompt_token_ids), "token_ids": r.token_ids,
-                                      "text": text, "finish_reason": r.finish_reason}
+                                      "text": r.text, "finish_reason": r.finish_reason}
             if args.logprobs is not None:
                 record["logprobs"] = r.logprobs
                 if args.logprobs:
                     record["top_logprobs"] = [[[t, lp] for t, lp in row] for row in r.top_logprobs]
             print(json.dumps(record), flush=True)
         else:
-            print(text if text is not None else " ".join(map(str, r.token_ids)), flush=True)
+            print(r.text if r.text is not None else " ".join(map(str, r.token_ids)), flush=True)
     return 0
 
 

@@ -1,0 +1,127 @@
+"""The per-device asyncio worker: accept and abort requests, step the engine, emit token deltas.
+
+The loop never spins: with no work it awaits a wake-up event (set by `submit`/`abort`), so an
+idle worker costs no CPU. Between steps it yields to the event loop so new requests and aborts
+land before the next schedule. After warm-up it freezes the GC generations (everything alive
+then is long-lived) and runs full collections only while idle, so collection pauses stay out
+of the token path. It records the longest host-side pause between two consecutive steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+from .engine import Engine, TokenDelta
+from .request import RequestError
+from .sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerStats:
+    max_loop_pause_s: float = 0.0  # longest gap between two steps while work was waiting
+    max_gc_pause_s: float = 0.0
+    steps: int = 0
+
+
+class Worker:
+    def __init__(self, engine: Engine, emit: Callable[[TokenDelta], None]):
+        self.engine = engine
+        self.emit = emit
+        self.stats = WorkerStats()
+        self._commands: deque[tuple] = deque()
+        self._wakeup: asyncio.Event | None = None
+        self._stopping = False
+        self._gc_started = 0.0
+        self._idle_collect = False
+        gc.callbacks.append(self._on_gc)
+
+    # ---- commands (call from the worker's event loop thread) ------------------------------
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self._commands.append(("submit", request_id, prompt_token_ids, params))
+        self._wake()
+
+    def abort(self, request_id: str) -> None:
+        self._commands.append(("abort", request_id))
+        self._wake()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    def _apply_commands(self) -> None:
+        while self._commands:
+            cmd = self._commands.popleft()
+            if cmd[0] == "submit":
+                _, rid, ids, params = cmd
+                try:
+                    self.engine.add_request(rid, ids, params)
+                except RequestError as exc:
+                    self.emit(TokenDelta(rid, [], finish_reason="error", error=str(exc), num_prompt_tokens=len(ids)))
+            else:
+                delta = self.engine.abort(cmd[1])
+                if delta is not None:
+                    self.emit(delta)
+
+    # ---- the loop ------------------------------------------------------------------------
+    def warm_up(self) -> None:
+        """One tiny request through every path, then freeze what survives as permanent."""
+        self.engine.add_request("__warmup__", [self.engine.model.cfg.bos_token_id or 0],
+                                SamplingParams(max_tokens=2, ignore_eos=True))
+        while self.engine.has_work:
+            self.engine.step()
+        gc.collect()
+        gc.freeze()
+
+    async def run(self) -> None:
+        self._wakeup = asyncio.Event()
+        last_step_end = None
+        while not self._stopping:
+            self._apply_commands()
+            if not self.engine.has_work:
+                last_step_end = None
+                self._idle_collect = True
+                gc.collect()  # idle: a full collection costs nobody anything now
+                self._idle_collect = False
+                self._wakeup.clear()
+                if not self._commands and not self._stopping:
+                    await self._wakeup.wait()
+                continue
+            start = time.perf_counter()
+            if last_step_end is not None:
+                self.stats.max_loop_pause_s = max(self.stats.max_loop_pause_s, start - last_step_end)
+            for delta in self.engine.step():
+                self.emit(delta)
+            self.stats.steps += 1
+            last_step_end = time.perf_counter()
+            await asyncio.sleep(0)  # let submits/aborts in before the next schedule
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        elif self._gc_started and not self._idle_collect:
+            self.stats.max_gc_pause_s = max(self.stats.max_gc_pause_s, time.perf_counter() - self._gc_started)
+
+    def close(self) -> None:
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop when installed (it is a dependency), else the default loop."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is in install_requires
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
