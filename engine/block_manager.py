@@ -65,8 +65,13 @@ class BlockAllocator:
 @dataclass
 class BlockTable:
     full: list[int] = field(default_factory=list)  # logical block i → id, for i = 0..
-    sliding: dict[int, int] = field(default_factory=dict)  # logical block i → id, trailing blocks only
+    # Trailing blocks only: logical blocks [sliding_first, sliding_first + len(sliding)).
+    sliding: list[int] = field(default_factory=list)
+    sliding_first: int = 0
     block_hashes: list[bytes] = field(default_factory=list)  # hash chain of the full token blocks
+
+    def sliding_id(self, logical: int) -> int:
+        return self.sliding[logical - self.sliding_first]
 
 
 def block_hash(parent: bytes, tokens: list[int] | np.ndarray, salt: bytes = b"") -> bytes:
@@ -90,39 +95,50 @@ class BlockManager:
         self.keep = layout.sliding_keep(slack)
 
     # ---- allocation ------------------------------------------------------------------------
-    def _needs(self, table: BlockTable, start: int, end: int) -> tuple[int, list[int], list[int]]:
-        """(new full blocks, sliding logical blocks to add, sliding logical blocks to release)."""
+    def _needs(self, table: BlockTable, start: int, end: int) -> tuple[int, int, int, int]:
+        """(new full blocks, first sliding block wanted, sliding blocks to release, sliding blocks to add)."""
         b = self.block_size
-        new_full = max(0, -(-end // b) - len(table.full))
+        last = -(-end // b)  # one past the last logical block touched
+        new_full = max(0, last - len(table.full))
         lo = max(0, start - self.keep) // b
-        wanted = range(lo, -(-end // b))
-        add = [i for i in wanted if i not in table.sliding]
-        release = [i for i in table.sliding if i < lo]
-        return new_full, add, release
+        if not table.sliding:
+            return new_full, lo, 0, last - lo
+        release = min(max(0, lo - table.sliding_first), len(table.sliding))
+        have_end = table.sliding_first + len(table.sliding)
+        add = max(0, last - max(have_end, lo))
+        return new_full, lo, release, add
 
     def can_allocate(self, table: BlockTable, start: int, end: int) -> bool:
-        new_full, add, release = self._needs(table, start, end)
-        return new_full <= self.full.num_free and len(add) <= self.sliding.num_free + len(release)
+        new_full, _, release, add = self._needs(table, start, end)
+        return new_full <= self.full.num_free and add <= self.sliding.num_free + release
 
     def allocate(self, table: BlockTable, start: int, end: int) -> bool:
         """Make positions [start, end) writable (and the trailing window before `start` still
         readable). Returns False, changing nothing, if the blocks are not available."""
-        new_full, add, release = self._needs(table, start, end)
-        if new_full > self.full.num_free or len(add) > self.sliding.num_free + len(release):
+        new_full, lo, release, add = self._needs(table, start, end)
+        if new_full == 0 and release == 0 and add == 0:
+            return True
+        if new_full > self.full.num_free or add > self.sliding.num_free + release:
             return False
-        self.sliding.free([table.sliding.pop(i) for i in release])
+        if release:
+            self.sliding.free(table.sliding[:release])
+            del table.sliding[:release]
+            table.sliding_first += release
+        if not table.sliding:
+            table.sliding_first = lo
         if new_full:
             table.full.extend(self.full.allocate(new_full))
-        for i, block in zip(add, self.sliding.allocate(len(add))):
-            table.sliding[i] = block
+        if add:
+            table.sliding.extend(self.sliding.allocate(add))
         return True
 
     def free(self, table: BlockTable) -> None:
         """Release every block the table holds (abort, finish or preemption)."""
         self.full.free(table.full)
-        self.sliding.free(list(table.sliding.values()))
+        self.sliding.free(table.sliding)
         table.full.clear()
         table.sliding.clear()
+        table.sliding_first = 0
         table.block_hashes.clear()
 
     def truncate(self, table: BlockTable, num_tokens: int) -> None:
@@ -132,8 +148,10 @@ class BlockManager:
             self.full.free(table.full[keep:])
             del table.full[keep:]
         del table.block_hashes[num_tokens // self.block_size :]
-        for i in [i for i in table.sliding if i >= keep]:
-            self.sliding.free([table.sliding.pop(i)])
+        beyond = table.sliding_first + len(table.sliding) - max(keep, table.sliding_first)
+        if beyond > 0:
+            self.sliding.free(table.sliding[-beyond:])
+            del table.sliding[-beyond:]
 
     # ---- prefix hashes ---------------------------------------------------------------------
     def update_hashes(self, table: BlockTable, token_ids: list[int], salt: bytes = b"") -> None:

@@ -63,10 +63,11 @@ class _Slots:
         b = self.block_size
         if end <= start:
             return torch.empty(0, dtype=torch.long, device=self.device)
-        first = start // b
-        ids = torch.tensor([self.table.sliding[i] for i in range(first, (end - 1) // b + 1)], device=self.device)
+        first = start // b - self.table.sliding_first
+        assert first >= 0, "reading a sliding block that was already released"
+        ids = torch.tensor(self.table.sliding[first : (end - 1) // b + 1 - self.table.sliding_first], device=self.device)
         pos = torch.arange(start, end, device=self.device)
-        return ids[pos // b - first] * b + pos % b
+        return ids[pos // b - start // b] * b + pos % b
 
     def full(self, first_entry: int, end_entry: int, tokens_per_record: int) -> torch.Tensor:
         per_block = self.block_size // tokens_per_record

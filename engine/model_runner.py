@@ -45,8 +45,11 @@ class ModelRunner:
         begin = 0
         for s in batch.scheduled:
             req = s.request
-            tokens.extend(req.token_at(p) for p in range(s.start, s.start + s.num_tokens))
-            positions.extend(range(s.start, s.start + s.num_tokens))
+            end, known = s.start + s.num_tokens, len(req.token_ids)
+            tokens.extend(req.token_ids[s.start : end])
+            if end > known:  # verification: the trailing drafts
+                tokens.extend(req.draft_token_ids[max(0, s.start - known) : end - known])
+            positions.extend(range(s.start, end))
             seqs.append(SeqSlice(req.seq, s.start, begin, s.num_tokens))
             if s.reaches_end:
                 first = begin + s.num_tokens - 1 - s.num_draft
@@ -66,31 +69,53 @@ class ModelRunner:
 
     # ---- sampling and verification ----------------------------------------------------------
     def _sample(self, pending: list[_Pending], logits: torch.Tensor) -> dict[str, RequestStepOutput]:
-        row_params, history = [], []
+        """Sample every row at once; requests with drafts then verify them row by row."""
+        row_params, history, generators = [], [], []
         for pend in pending:
             req, s = pend.sched.request, pend.sched
-            out = req.output_token_ids
             for j in range(1 + s.num_draft):  # row j sees the outputs before it, drafts included
                 row_params.append(req.params)
-                history.append(out + req.draft_token_ids[:j] if req.params.has_penalties else [])
+                generators.append(req.generator)
+                history.append(req.output_token_ids + req.draft_token_ids[:j] if req.params.has_penalties else [])
         finite = torch.isfinite(logits).all(dim=-1).tolist()
-        probs = to_probs(apply_penalties(logits, row_params, history), row_params)
+        if all(p.greedy and not p.has_penalties for p in row_params):
+            probs, tokens = None, logits.argmax(dim=-1).tolist()
+        else:
+            probs = to_probs(apply_penalties(logits, row_params, history), row_params)
+            tokens = sample(probs, generators).tolist()
         outputs = {}
+        lp_rows, lp_tokens, lp_reqs = [], [], []
         for pend in pending:
             req, s = pend.sched.request, pend.sched
-            if not all(finite[pend.logit_rows]):
+            rows = pend.logit_rows
+            if not all(finite[rows]):
                 outputs[req.request_id] = RequestStepOutput([], error="non-finite logits")
                 continue
-            drafts = req.draft_token_ids[: s.num_draft]
-            draft_probs = req.draft_probs[: s.num_draft] if req.draft_probs is not None and s.num_draft else None
-            accepted = verify(probs[pend.logit_rows], drafts, draft_probs, req.generator)
-            out = RequestStepOutput(accepted)
+            if s.num_draft == 0:
+                accepted = [tokens[rows.start]]
+            else:
+                target = probs[rows] if probs is not None else to_probs(logits[rows], [req.params] * (s.num_draft + 1))
+                drafts = req.draft_token_ids[: s.num_draft]
+                draft_probs = req.draft_probs[: s.num_draft] if req.draft_probs is not None else None
+                accepted = verify(target, drafts, draft_probs, req.generator)
+            outputs[req.request_id] = RequestStepOutput(accepted)
             if req.params.logprobs is not None:
-                rows_logits = logits[pend.logit_rows][: len(accepted)]
-                out.logprobs, out.top_logprobs = logprobs_of(rows_logits, torch.tensor(accepted, device=self.device),
-                                                             req.params.logprobs)
-            outputs[req.request_id] = out
+                lp_rows.extend(range(rows.start, rows.start + len(accepted)))
+                lp_tokens.extend(accepted)
+                lp_reqs.append((req, len(accepted)))
+        if lp_rows:
+            self._attach_logprobs(outputs, logits[lp_rows], lp_tokens, lp_reqs)
         return outputs
+
+    def _attach_logprobs(self, outputs, logits: torch.Tensor, tokens: list[int], reqs) -> None:
+        top_n = max(req.params.logprobs for req, _ in reqs)
+        chosen, top = logprobs_of(logits, torch.tensor(tokens, device=self.device), top_n)
+        i = 0
+        for req, n in reqs:
+            out = outputs[req.request_id]
+            out.logprobs = chosen[i : i + n]
+            out.top_logprobs = [row[: req.params.logprobs] for row in top[i : i + n]]
+            i += n
 
     # ---- MTP drafting ------------------------------------------------------------------------
     def _run_mtp(self, batch: Batch, streams: torch.Tensor, tokens: torch.Tensor,

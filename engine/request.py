@@ -85,8 +85,3 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
-
-    def token_at(self, position: int) -> int:
-        """Token at `position` of the known-plus-draft sequence."""
-        n = len(self.token_ids)
-        return self.token_ids[position] if position < n else self.draft_token_ids[position - n]

@@ -19,7 +19,7 @@ def _manager(full: int, sliding: int, block_size: int = 16) -> BlockManager:
 def _all_ids(tables: list[BlockTable], group: str) -> list[int]:
     ids = []
     for t in tables:
-        ids.extend(t.full if group == "full" else t.sliding.values())
+        ids.extend(t.full if group == "full" else t.sliding)
     return ids
 
 
@@ -36,11 +36,11 @@ def test_random_operations_keep_the_books(operations):
     for op, i, n in operations:
         t = tables[i]
         if op == "grow":
-            before = (mgr.full.num_free, mgr.sliding.num_free, list(t.full), dict(t.sliding))
+            before = (mgr.full.num_free, mgr.sliding.num_free, list(t.full), list(t.sliding), t.sliding_first)
             if mgr.allocate(t, lengths[i], lengths[i] + n):
                 lengths[i] += n
             else:  # exhaustion is a plain False and changes nothing
-                assert before == (mgr.full.num_free, mgr.sliding.num_free, t.full, t.sliding)
+                assert before == (mgr.full.num_free, mgr.sliding.num_free, t.full, t.sliding, t.sliding_first)
         elif op == "free":
             mgr.free(t)
             lengths[i] = 0
@@ -65,7 +65,8 @@ def test_sliding_blocks_are_released_as_the_window_passes():
     for pos in range(0, 400, 10):
         assert mgr.allocate(t, pos, pos + 10)
         assert len(t.sliding) <= -(-mgr.keep // 16) + 2
-        assert min(t.sliding) * 16 <= max(0, pos - mgr.keep)
+        assert t.sliding_first * 16 <= max(0, pos - mgr.keep)
+        assert (t.sliding_first + len(t.sliding)) * 16 >= pos + 10
     assert len(t.full) == 25
 
 
