@@ -1,0 +1,93 @@
+"""The asyncio worker: serves submits and aborts, idles without burning a core, freezes the GC."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import time
+
+import pytest
+import torch
+
+from engine.engine import Engine, EngineConfig
+from engine.sampling import SamplingParams
+from engine.weights import load_model
+from engine.worker import Worker, new_event_loop
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint_factory):
+    model = load_model(checkpoint_factory("tiny-upstream", index_topk=64), dtype=torch.float32, progress=False)
+    return Engine(model, EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, kv_cache_memory_bytes=8 << 20,
+                                      block_size=16))
+
+
+def _serve(engine, scenario):
+    """Run the worker loop and `scenario(worker, deltas)` on one uvloop; returns the deltas."""
+    deltas = []
+    worker = Worker(engine, deltas.append)
+
+    async def main():
+        task = asyncio.ensure_future(worker.run())
+        try:
+            await scenario(worker, deltas)
+        finally:
+            worker.stop()
+            await task
+
+    loop = new_event_loop()
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
+        worker.close()
+    return deltas, worker
+
+
+async def _until(predicate, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.005)
+
+
+def test_submit_stream_and_abort(engine):
+    async def scenario(worker, deltas):
+        worker.submit("a", [5, 6, 7], SamplingParams(max_tokens=5, ignore_eos=True))
+        worker.submit("b", [9] * 20, SamplingParams(max_tokens=500, ignore_eos=True))
+        worker.submit("c", [1] * 20, SamplingParams(max_tokens=10**6))  # over the context: refused
+        await _until(lambda: any(d.request_id == "b" and d.token_ids for d in deltas))
+        worker.abort("b")
+        await _until(lambda: any(d.request_id == "b" and d.finish_reason for d in deltas))
+        await _until(lambda: any(d.request_id == "a" and d.finish_reason for d in deltas))
+
+    deltas, _ = _serve(engine, scenario)
+    by = {}
+    for d in deltas:
+        by.setdefault(d.request_id, []).append(d)
+    assert sum(len(d.token_ids) for d in by["a"]) == 5 and by["a"][-1].finish_reason == "length"
+    assert by["b"][-1].finish_reason == "abort"
+    assert by["c"][-1].finish_reason == "error" and "context length" in by["c"][-1].error
+    assert engine.cache.manager.full.num_used == 0 and engine.cache.manager.sliding.num_used == 0
+
+
+def test_idle_worker_uses_no_cpu(engine):
+    async def scenario(worker, deltas):
+        await asyncio.sleep(0.05)
+        t0, c0 = time.monotonic(), time.process_time()
+        await asyncio.sleep(1.0)
+        used = (time.process_time() - c0) / (time.monotonic() - t0)
+        assert used < 0.05, f"idle worker used {used:.1%} of a core"
+
+    _serve(engine, scenario)
+
+
+def test_warm_up_freezes_the_gc(engine):
+    worker = Worker(engine, lambda d: None)
+    try:
+        worker.warm_up()
+        assert gc.get_freeze_count() > 0
+        assert not engine.has_work
+    finally:
+        gc.unfreeze()
+        worker.close()
