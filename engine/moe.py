@@ -1,6 +1,8 @@
 """DeepSeek-V4 MoE: sqrt-softplus router (learned top-k or tid2eid hash), clamped SwiGLU experts,
 one shared expert. Routed experts are stored stacked: w13 [E, 2I, H] (gate rows then up rows)
-and w2 [E, H, I], so a step loops over the experts that received tokens, not over tokens."""
+and w2 [E, H, I]; a step runs two grouped GEMMs over the expert-sorted token slots. On CPU the
+stacks are laid out so that their [E, K, N] transposes are contiguous (what CPU grouped_mm is
+fast on); on GPU they stay row-major, whose transposes are the column-major operand cuBLAS wants."""
 
 from __future__ import annotations
 
@@ -52,21 +54,17 @@ class MoE(nn.Module):
         return out
 
     def _experts(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
-        k = expert_ids.shape[1]
-        counts, offsets, order, _ = kernels.permute(expert_ids, self.cfg.n_routed_experts)
-        counts_list = counts.tolist()
-        offsets_list = offsets.tolist()
-        token_of_slot = order.long() // k  # [T·k] token index of each slot in expert order
-        flat_weights = weights.reshape(-1)[order.long()]
-        out = torch.zeros_like(x)
+        """Grouped GEMMs over expert-sorted (token, choice) slots: no host sync, no Python loop
+        over experts. x: [T, H]; weights, expert_ids: [T, k]."""
+        t, k = expert_ids.shape
         inter = self.cfg.moe_intermediate_size
-        for e, count in enumerate(counts_list):
-            if count == 0:
-                continue
-            lo = offsets_list[e]
-            tokens = token_of_slot[lo : lo + count]
-            h = F.linear(x[tokens], self.w13[e])  # [n, 2I]
-            act = clamped_swiglu(h[:, :inter], h[:, inter:], self.cfg.swiglu_limit)
-            y = F.linear(act, self.w2[e]) * flat_weights[lo : lo + count, None].to(x.dtype)
-            out.index_add_(0, tokens, y)
-        return out
+        _, offsets, order, inverse = kernels.permute(expert_ids, self.cfg.n_routed_experts)
+        order = order.long()
+        ends = offsets[1:].to(torch.int32)  # [E] cumulative slot counts
+        slots = x[order // k]  # [T·k, H] in expert order
+        h = F.grouped_mm(slots, self.w13.transpose(1, 2), offs=ends)  # [T·k, 2I]
+        act = clamped_swiglu(h[:, :inter], h[:, inter:], self.cfg.swiglu_limit)
+        y = F.grouped_mm(act, self.w2.transpose(1, 2), offs=ends)  # [T·k, H]
+        y = y * weights.reshape(-1)[order].unsqueeze(1).to(y.dtype)
+        # Back to (token, choice) order and sum the k choices in a fixed order.
+        return y[inverse.long()].view(t, k, -1).sum(dim=1).to(x.dtype)

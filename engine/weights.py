@@ -233,9 +233,12 @@ def _check_complete(expected, filled, expert_rows, cfg: ModelConfig) -> None:
 
 def _assign(model: torch.nn.Module, internal: str, value: torch.Tensor, device: str) -> None:
     module_name, _, attr = internal.rpartition(".")
+    value = value.to(device)
+    if attr in ("w13", "w2") and value.device.type == "cpu":
+        value = value.transpose(1, 2).contiguous().transpose(1, 2)  # see engine/moe.py
     module = model.get_submodule(module_name) if module_name else model
     current = getattr(module, attr)
     if isinstance(current, torch.nn.Parameter):
-        setattr(module, attr, torch.nn.Parameter(value.to(device), requires_grad=False))
+        setattr(module, attr, torch.nn.Parameter(value, requires_grad=False))
     else:
-        module.register_buffer(attr, value.to(device))
+        module.register_buffer(attr, value)
