@@ -1,0 +1,116 @@
+"""Data-parallel request routing by token load, not request count.
+
+A rank's load is the work it still owes, in tokens:
+    queued prefill tokens (prompts not yet started)
+  + live KV tokens (blocks in use × block size, from its heartbeats)
+  + expected decode tokens (per request: min(max_tokens, 2 × the running mean output length))
+A new request goes to the alive rank with the least load, except that a request carrying a
+session (or user) id sticks to the rank that served that session before, so its prefix can be
+reused there. `imbalance()` is max/mean load over alive ranks (1.0 = perfectly even).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class _Owed:
+    prefill: int
+    decode: int
+
+
+@dataclass
+class RankLoad:
+    alive: bool = True
+    kv_tokens: int = 0
+    owed: dict[int, _Owed] = field(default_factory=dict)  # request id → what it still costs
+
+    @property
+    def queued_prefill(self) -> int:
+        return sum(o.prefill for o in self.owed.values())
+
+    @property
+    def expected_decode(self) -> int:
+        return sum(o.decode for o in self.owed.values())
+
+    @property
+    def load(self) -> int:
+        return self.queued_prefill + self.kv_tokens + self.expected_decode
+
+
+class DPRouter:
+    def __init__(self, num_ranks: int, block_size: int = 256, max_sessions: int = 100_000):
+        if num_ranks < 1:
+            raise ValueError("need at least one rank")
+        self.ranks = [RankLoad() for _ in range(num_ranks)]
+        self.block_size = block_size
+        self.sessions: dict[str, int] = {}
+        self.max_sessions = max_sessions
+        self._mean_output = 128.0  # running mean of completion lengths (EWMA)
+        self._where: dict[int, int] = {}  # request id → rank
+
+    # ---- routing ---------------------------------------------------------------------------
+    def pick(self, session: str | None = None) -> int:
+        alive = [i for i, r in enumerate(self.ranks) if r.alive]
+        if not alive:
+            raise RuntimeError("no worker is alive")
+        if session is not None:
+            rank = self.sessions.get(session)
+            if rank is not None and self.ranks[rank].alive:
+                return rank
+        return min(alive, key=lambda i: (self.ranks[i].load, i))
+
+    def assign(self, request_id: int, prompt_tokens: int, max_tokens: int, session: str | None = None) -> int:
+        """Pick a rank for a new request and account for its work there."""
+        rank = self.pick(session)
+        expected = int(min(max_tokens, 2 * self._mean_output))
+        self.ranks[rank].owed[request_id] = _Owed(prompt_tokens, expected)
+        self._where[request_id] = rank
+        if session is not None:
+            if len(self.sessions) >= self.max_sessions and session not in self.sessions:
+                self.sessions.pop(next(iter(self.sessions)))  # forget the oldest session
+            self.sessions[session] = rank
+        return rank
+
+    # ---- feedback --------------------------------------------------------------------------
+    def on_tokens(self, request_id: int, num_tokens: int) -> None:
+        """The request produced tokens: its prompt is in KV now, and less decode is owed."""
+        rank = self._where.get(request_id)
+        if rank is None:
+            return
+        owed = self.ranks[rank].owed[request_id]
+        owed.prefill = 0
+        owed.decode = max(0, owed.decode - num_tokens)
+
+    def on_finish(self, request_id: int, completion_tokens: int | None = None) -> None:
+        rank = self._where.pop(request_id, None)
+        if rank is not None:
+            self.ranks[rank].owed.pop(request_id, None)
+        if completion_tokens is not None:
+            self._mean_output += 0.05 * (completion_tokens - self._mean_output)
+
+    def on_heartbeat(self, rank: int, kv_blocks_used: int) -> None:
+        self.ranks[rank].kv_tokens = kv_blocks_used * self.block_size
+
+    def mark_dead(self, rank: int) -> list[int]:
+        """Take a rank out of rotation; returns the request ids that were on it."""
+        r = self.ranks[rank]
+        r.alive = False
+        lost = list(r.owed)
+        for rid in lost:
+            self._where.pop(rid, None)
+        r.owed.clear()
+        r.kv_tokens = 0
+        for s in [s for s, k in self.sessions.items() if k == rank]:
+            del self.sessions[s]
+        return lost
+
+    # ---- metrics ---------------------------------------------------------------------------
+    def loads(self) -> list[int]:
+        return [r.load for r in self.ranks if r.alive]
+
+    def imbalance(self) -> float:
+        loads = self.loads()
+        mean = sum(loads) / len(loads) if loads else 0.0
+        return max(loads) / mean if mean > 0 else 1.0
