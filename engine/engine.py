@@ -72,6 +72,7 @@ class TokenDelta:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     finish_reason: str | None = None
     error: str | None = None
+    error_code: int = 500  # HTTP-style: 400 = the request was refused, 500 = it failed in the engine
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
 

@@ -41,6 +41,7 @@ class Worker:
         self._stopping = False
         self._gc_started = 0.0
         self._idle_collect = False
+        self.step_started_at = 0.0  # wall-clock start of the step in progress (0 = idle); for the watchdog
         gc.callbacks.append(self._on_gc)
 
     # ---- commands (call from the worker's event loop thread) ------------------------------
@@ -68,7 +69,8 @@ class Worker:
                 try:
                     self.engine.add_request(rid, ids, params)
                 except RequestError as exc:
-                    self.emit(TokenDelta(rid, [], finish_reason="error", error=str(exc), num_prompt_tokens=len(ids)))
+                    self.emit(TokenDelta(rid, [], finish_reason="error", error=str(exc), error_code=400,
+                                         num_prompt_tokens=len(ids)))
             else:
                 delta = self.engine.abort(cmd[1])
                 if delta is not None:
@@ -101,8 +103,10 @@ class Worker:
             start = time.perf_counter()
             if last_step_end is not None:
                 self.stats.max_loop_pause_s = max(self.stats.max_loop_pause_s, start - last_step_end)
+            self.step_started_at = time.time()
             for delta in self.engine.step():
                 self.emit(delta)
+            self.step_started_at = 0.0
             self.stats.steps += 1
             last_step_end = time.perf_counter()
             await asyncio.sleep(0)  # let submits/aborts in before the next schedule

@@ -7,6 +7,7 @@ one line `ringserve: error: …` on stderr and exit status 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import sys
@@ -70,6 +71,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="MTP draft tokens per step, 0 disables (mode default: 3 single-user, 0 throughput)")
     p.add_argument("--kv-cache-memory", type=float, default=2.0, help="GiB for the KV pools")
     p.add_argument("--block-size", type=int, default=256, help="tokens per KV block")
+    p.add_argument("--dp", type=int, default=1,
+                   help="data-parallel ranks; > 1 runs one worker process per rank behind shared-memory rings")
 
 
 def engine_config_from(args: argparse.Namespace):
@@ -214,9 +217,18 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                             top_k=args.top_k, seed=args.seed, logprobs=args.logprobs, ignore_eos=args.ignore_eos)
     prompts = _read_prompts(args, _load_tokenizer(model_dir))
     config = engine_config_from(args)
-    llm = LLM(model_dir, **{k: v for k, v in config.to_dict().items()})
-    _check_ids(prompts, llm.model.cfg.vocab_size)
-    for i, r in enumerate(llm.generate(prompts, params)):
+    if args.dp < 1:
+        raise CliError("--dp must be ≥ 1")
+    if args.dp > 1:
+        from engine.config import ModelConfig
+
+        _check_ids(prompts, ModelConfig.from_model_dir(model_dir).vocab_size)
+        results = _generate_dp(model_dir, config, args.dp, prompts, params)
+    else:
+        llm = LLM(model_dir, **config.to_dict())
+        _check_ids(prompts, llm.model.cfg.vocab_size)
+        results = llm.generate(prompts, params)
+    for i, r in enumerate(results):
         if r.error:
             print(f"ringserve: prompt {i}: {r.error}", file=sys.stderr)
         if args.json:
@@ -230,6 +242,46 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         else:
             print(r.text if r.text is not None else " ".join(map(str, r.token_ids)), flush=True)
     return 0
+
+
+def _generate_dp(model_dir: Path, config, dp: int, prompts: list[list[int]], params) -> list:
+    """Run the prompts through `dp` worker processes (rings + DP router); outputs in input order."""
+    from engine.worker import new_event_loop
+    from ipc import SamplingParamsMsg
+    from server.engine_client import EngineClient
+    from server.llm import RequestOutput
+
+    msg = SamplingParamsMsg(max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
+                            top_k=params.top_k or -1, seed=params.seed, logprobs=params.logprobs,
+                            ignore_eos=params.ignore_eos)
+    tokenizer = _load_tokenizer(model_dir)
+
+    async def one(client, i: int, ids: list[int]) -> RequestOutput:
+        out = RequestOutput(str(i), ids, logprobs=[] if params.logprobs is not None else None,
+                            top_logprobs=[] if params.logprobs is not None else None)
+        async for item in client.generate(ids, msg):
+            out.token_ids.extend(item.token_ids)
+            if item.logprobs is not None:
+                out.logprobs.extend(item.logprobs)
+                out.top_logprobs.extend(item.top_logprobs or [[] for _ in item.token_ids])
+            if item.finish_reason:
+                out.finish_reason, out.error = item.finish_reason, item.error
+        out.text = tokenizer.decode(out.token_ids) if tokenizer is not None else None
+        return out
+
+    async def run() -> list:
+        client = EngineClient(model_dir, config, dp=dp)
+        await client.start()
+        try:
+            return await asyncio.gather(*(one(client, i, p) for i, p in enumerate(prompts)))
+        finally:
+            await client.shutdown()
+
+    loop = new_event_loop()
+    try:
+        return loop.run_until_complete(run())
+    finally:
+        loop.close()
 
 
 def _load_tokenizer(model_dir: Path):

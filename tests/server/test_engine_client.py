@@ -1,0 +1,115 @@
+"""Worker processes behind shared-memory rings: DP generation, dead and stuck ranks, clean shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from engine.engine import EngineConfig
+from engine.worker import new_event_loop
+from ipc import SamplingParamsMsg
+from ipc.segment import list_segments
+from server.engine_client import EngineClient
+
+
+@pytest.fixture(scope="module")
+def model_dir(checkpoint_factory):
+    from server.make_tokenizer import write_tokenizer
+
+    path = checkpoint_factory("tiny-upstream", index_topk=64)
+    if not (path / "tokenizer.json").exists():
+        write_tokenizer(path, 512)
+    return path
+
+
+def _run(coro):
+    loop = new_event_loop()
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        loop.close()
+
+
+def _config():
+    return EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, kv_cache_memory_bytes=16 << 20, block_size=16)
+
+
+def test_dp2_generate_equals_dp1(model_dir, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt_ids": [3 + i, 40 + 7 * i, 9, 100 + i] * (i + 1)})
+                                 for i in range(6)) + "\n")
+    outs = {}
+    for dp in (1, 2):
+        proc = subprocess.run([sys.executable, "-m", "server.cli", "generate", str(model_dir), "--prompts-file",
+                               str(prompts), "--max-tokens", "8", "--json", "--ignore-eos", "--dp", str(dp),
+                               "--kv-cache-memory", "0.05", "--block-size", "16"],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        outs[dp] = [json.loads(line)["token_ids"] for line in proc.stdout.splitlines()]
+    assert outs[1] == outs[2] and len(outs[1]) == 6
+    assert not list_segments()
+
+
+def test_killed_worker_fails_only_its_requests_and_shutdown_leaves_nothing(model_dir):
+    async def scenario():
+        client = EngineClient(model_dir, _config(), dp=2, threads_per_worker=1, stuck_after_s=1.0)
+        await client.start()
+        try:
+            long = SamplingParamsMsg(max_tokens=400, temperature=0.0, ignore_eos=True)
+            results: dict[int, tuple[str, str | None, int]] = {}
+
+            async def run(i):
+                n, last = 0, None
+                async for item in client.generate([5 + i, 6, 7], long, request_id=100 + i):
+                    n += len(item.token_ids)
+                    last = item
+                results[i] = (last.finish_reason, last.error, n)
+
+            tasks = [asyncio.ensure_future(run(i)) for i in range(4)]
+            await asyncio.sleep(0.5)
+            victim = client.ranks[0]
+            on_victim = set(victim.inflight)
+            assert on_victim and len(on_victim) < 4
+            os.kill(victim.process.pid, signal.SIGKILL)
+            await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
+            for i in range(4):
+                reason, error, n = results[i]
+                if 100 + i in on_victim:
+                    assert reason == "error" and "rank 0 died" in error
+                else:
+                    assert reason == "length" and n == 400
+            assert not client.healthy
+        finally:
+            await client.shutdown()
+
+    _run(scenario())
+    assert not list_segments()
+    assert not multiprocessing.active_children()
+
+
+def test_watchdog_names_a_stuck_rank(model_dir):
+    async def scenario():
+        client = EngineClient(model_dir, _config(), dp=1, threads_per_worker=1, stuck_after_s=1.0)
+        await client.start()
+        pid = client.ranks[0].process.pid
+        try:
+            await asyncio.sleep(0.6)  # a heartbeat or two
+            os.kill(pid, signal.SIGSTOP)  # a rank that stops answering mid-run
+            deadline = time.monotonic() + 10
+            while 0 not in client.stuck and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            assert "rank 0 stuck" in client.stuck[0] and "step" in client.stuck[0]
+        finally:
+            os.kill(pid, signal.SIGCONT)
+            await client.shutdown()
+
+    _run(scenario())
+    assert not list_segments()
