@@ -102,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_make_model(sub)
     _add_generate(sub)
     _add_kv_report(sub)
+    from server.serve import add_serve_parser
+
+    add_serve_parser(sub, add_engine_args)
     return parser
 
 

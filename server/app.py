@@ -1,0 +1,145 @@
+"""The aiohttp application: one routes table, auth and error middlewares, small endpoints.
+
+Every failure is an OpenAI-style JSON error body (`{"error": {message, type, param, code}}`) with
+a 4xx status for the client's mistakes; nothing ever returns a stack trace. With an API key,
+every route except /health and /ready requires it (compared in constant time).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+
+from aiohttp import web
+
+from . import handlers
+from .openapi import openapi_spec
+from .protocol import ProtocolError
+from .state import STATE, AppState
+
+logger = logging.getLogger(__name__)
+PUBLIC = frozenset({"/health", "/ready"})
+
+
+def _error(status: int, message: str, err_type: str, code: str | None = None, param: str | None = None,
+           headers: dict | None = None) -> web.Response:
+    body = {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+    return web.json_response(body, status=status, headers=headers)
+
+
+@web.middleware
+async def errors(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except ProtocolError as exc:
+        headers = {"Retry-After": "1"} if exc.status in (429, 503) else None
+        return web.json_response(exc.body(), status=exc.status, headers=headers)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        kind = {401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error",
+                413: "invalid_request_error"}.get(exc.status, "invalid_request_error")
+        return _error(exc.status, exc.reason, kind, code=str(exc.status))
+    except (ConnectionResetError, ConnectionError):
+        raise
+    except Exception:  # a bug: log it, never leak it
+        logger.exception("internal error on %s %s", request.method, request.path)
+        return _error(500, "internal server error", "server_error", code="internal_error")
+
+
+@web.middleware
+async def auth(request: web.Request, handler):
+    key = request.app[STATE].api_key
+    if key is None or request.path in PUBLIC:
+        return await handler(request)
+    given = request.headers.get("Authorization", "")
+    token = given[7:] if given.startswith("Bearer ") else ""
+    if not hmac.compare_digest(token.encode(), key.encode()):
+        return _error(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
+    return await handler(request)
+
+
+async def models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    data = [{"id": name, "object": "model", "created": int(state.started_at), "owned_by": "ringserve",
+             "max_model_len": state.max_model_len} for name in state.served_names]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    body = await handlers.read_json(request)
+    if not isinstance(body, dict):
+        raise ProtocolError("the request body must be a JSON object", None, "invalid_body")
+    if isinstance(body.get("prompt"), str):
+        ids = state.tokenizer.encode(body["prompt"], add_bos=bool(body.get("add_special_tokens", True)))
+    elif isinstance(body.get("messages"), list):
+        try:
+            ids = state.tokenizer.encode_chat(body["messages"])
+        except ValueError as exc:
+            raise ProtocolError(str(exc), "messages", "invalid_value") from None
+    else:
+        raise ProtocolError("give 'prompt' (a string) or 'messages'", "prompt", "invalid_value")
+    return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    body = await handlers.read_json(request)
+    tokens = body.get("tokens") if isinstance(body, dict) else None
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < state.vocab_size
+                                               for t in tokens):
+        raise ProtocolError(f"'tokens' must be a list of token ids in [0, {state.vocab_size})", "tokens",
+                            "invalid_value")
+    return web.json_response({"prompt": state.tokenizer.decode(tokens)})
+
+
+async def version(request: web.Request) -> web.Response:
+    return web.json_response({"version": request.app[STATE].version})
+
+
+async def health(request: web.Request) -> web.Response:
+    """Liveness: the workers are alive, not just this HTTP loop."""
+    ok = request.app[STATE].client.healthy
+    return web.json_response({"status": "ok" if ok else "worker dead"}, status=200 if ok else 503)
+
+
+async def ready(request: web.Request) -> web.Response:
+    """Readiness: models loaded and not draining."""
+    state = request.app[STATE]
+    ok = state.ready and not state.draining and state.client.healthy
+    status = "ready" if ok else ("draining" if state.draining else "not ready")
+    return web.json_response({"status": status}, status=200 if ok else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    if state.metrics is None:
+        return web.Response(text="", content_type="text/plain")
+    body, content_type = state.metrics.render()
+    resp = web.Response(body=body)
+    resp.headers["Content-Type"] = content_type
+    return resp
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return web.Response(text=json.dumps(openapi_spec(request.app[STATE])), content_type="application/json")
+
+
+def make_app(state: AppState) -> web.Application:
+    app = web.Application(middlewares=[errors, auth], client_max_size=state.limits.max_body_bytes)
+    app[STATE] = state
+    app.add_routes([
+        web.get("/v1/models", models),
+        web.post("/v1/completions", handlers.completions),
+        web.post("/v1/chat/completions", handlers.chat_completions),
+        web.post("/tokenize", tokenize),
+        web.post("/detokenize", detokenize),
+        web.get("/version", version),
+        web.get("/health", health),
+        web.get("/ready", ready),
+        web.get("/metrics", metrics),
+        web.get("/openapi.json", openapi),
+    ])
+    return app

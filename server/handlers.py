@@ -1,0 +1,275 @@
+"""The generation endpoints: /v1/completions and /v1/chat/completions, streaming (SSE) and not.
+
+Each (prompt, n) choice runs as its own engine request; their outputs are merged in arrival
+order. The handler is cancelled when the client goes away (the app runs with handler
+cancellation), and cancelling a choice's task aborts its engine request within one step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import replace
+from typing import Any
+
+from aiohttp import web
+
+from ipc import SamplingParamsMsg
+
+from .protocol import GenerationRequest, ProtocolError, parse_chat, parse_completion
+from .state import AppState, STATE
+from .stream import ChoiceStream
+
+logger = logging.getLogger(__name__)
+
+
+def _to_msg(p, session: str | None) -> SamplingParamsMsg:
+    return SamplingParamsMsg(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k or -1,
+                             min_p=p.min_p, presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+                             seed=p.seed, stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
+                             logprobs=p.logprobs, session_id=session)
+
+
+async def read_json(request: web.Request) -> Any:
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise ProtocolError(f"request body exceeds {request.app[STATE].limits.max_body_bytes} bytes", None,
+                            "body_too_large", status=413) from None
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ProtocolError("the request body is not valid UTF-8", None, "invalid_body") from None
+    except json.JSONDecodeError as exc:
+        raise ProtocolError(f"the request body is not valid JSON ({exc.msg} at position {exc.pos})", None,
+                            "invalid_json") from None
+
+
+def _prompt_ids(state: AppState, req: GenerationRequest) -> list[list[int]]:
+    if req.messages is not None:
+        return [state.tokenizer.encode_chat(req.messages)]  # ValueError → 400 (messages)
+    out = []
+    for p in req.prompts:
+        ids = state.tokenizer.encode(p) if isinstance(p, str) else p
+        vocab = state.vocab_size
+        bad = next((t for t in ids if t >= vocab), None)
+        if bad is not None:
+            raise ProtocolError(f"token id {bad} in 'prompt' is outside the vocabulary [0, {vocab})", "prompt",
+                                "invalid_value")
+        out.append(ids)
+    return out
+
+
+def _fit_context(state: AppState, req: GenerationRequest, prompts: list[list[int]]) -> None:
+    limit = state.max_model_len
+    param = "max_completion_tokens" if req.messages is not None else "max_tokens"
+    for ids in prompts:
+        if len(ids) >= limit:
+            raise ProtocolError(f"the prompt has {len(ids)} tokens; the model's context length is {limit} tokens",
+                                "messages" if req.messages is not None else "prompt", "context_length_exceeded")
+        if req.max_tokens_given and len(ids) + req.params.max_tokens > limit:
+            raise ProtocolError(
+                f"this model's maximum context length is {limit} tokens, but the request asks for "
+                f"{len(ids) + req.params.max_tokens} tokens ({len(ids)} in the prompt plus {req.params.max_tokens} "
+                f"for the completion)", param, "context_length_exceeded")
+    if not req.max_tokens_given:  # default: the rest of the context
+        req.params = replace(req.params, max_tokens=limit - max(map(len, prompts)))
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    req = parse_completion(await read_json(request), state.limits, state.served_names)
+    return await _generate(request, state, req, chat=False)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    req = parse_chat(await read_json(request), state.limits, state.served_names)
+    return await _generate(request, state, req, chat=True)
+
+
+async def _generate(request: web.Request, state: AppState, req: GenerationRequest, chat: bool) -> web.StreamResponse:
+    try:
+        prompts = _prompt_ids(state, req)
+    except ValueError as exc:
+        if isinstance(exc, ProtocolError):
+            raise
+        raise ProtocolError(str(exc), "messages", "invalid_value") from None
+    _fit_context(state, req, prompts)
+    n_choices = len(prompts) * req.n
+    with state.admit(n_choices):  # raises 429/503 when overloaded or draining
+        run = _Run(state, req, prompts, chat)
+        if req.stream:
+            return await run.stream(request)
+        return await run.complete()
+
+
+class _Run:
+    """One HTTP request's choices, running concurrently in the engine."""
+
+    def __init__(self, state: AppState, req: GenerationRequest, prompts: list[list[int]], chat: bool):
+        self.state, self.req, self.prompts, self.chat = state, req, prompts, chat
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.choices = [ChoiceStream(i, state.tokenizer, req.stop) for i in range(len(prompts) * req.n)]
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.tasks: list[asyncio.Task] = []
+
+    # ---- engine side -------------------------------------------------------------------------
+    def _start(self) -> None:
+        for i, choice in enumerate(self.choices):
+            ids = self.prompts[i // self.req.n]
+            params = self.req.params
+            if params.seed is not None and self.req.n > 1:
+                params = replace(params, seed=params.seed + i % self.req.n)  # distinct, reproducible choices
+            self.tasks.append(asyncio.ensure_future(self._pump(choice, ids, params)))
+
+    async def _pump(self, choice: ChoiceStream, ids: list[int], params) -> None:
+        timer = self.state.metrics_timer()
+        try:
+            async for item in self.state.client.generate(ids, _to_msg(params, self.req.user)):
+                if item.token_ids:
+                    timer.tokens(len(item.token_ids))
+                    text = choice.push(item.token_ids, item.logprobs, item.top_logprobs)
+                    await self.events.put((choice, text, len(item.token_ids)))
+                    if choice.stopped:  # a stop string ended it (finish_reason is set); the finally aborts
+                        return
+                if item.finish_reason is not None:
+                    if item.error and item.error_code >= 400 and not choice.state.token_ids:
+                        await self.events.put((choice, ProtocolError(item.error, None, "engine_error",
+                                                                     status=item.error_code,
+                                                                     err_type="server_error" if item.error_code >= 500
+                                                                     else "invalid_request_error"), 0))
+                        return
+                    choice.state.completion_tokens = item.completion_tokens
+                    await self.events.put((choice, choice.finish(item.finish_reason), 0))
+                    return
+        finally:
+            timer.finish(choice.state.finish_reason or "abort", len(ids), len(choice.state.token_ids))
+
+    async def _events(self):
+        """Yield (choice, text or error, new tokens) until every choice finished."""
+        self._start()
+        remaining = len(self.choices)
+        deadline = self.state.request_timeout_s
+        try:
+            async with asyncio.timeout(deadline):
+                while remaining:
+                    choice, payload, n = await self.events.get()
+                    if isinstance(payload, ProtocolError) or choice.state.finish_reason is not None:
+                        remaining -= 1
+                    yield choice, payload, n
+        except TimeoutError:
+            for choice in self.choices:
+                if choice.state.finish_reason is None:
+                    text = choice.finish("abort")
+                    yield choice, text, 0
+        finally:
+            for task in self.tasks:
+                task.cancel()
+            await asyncio.gather(*self.tasks, return_exceptions=True)
+
+    # ---- responses -----------------------------------------------------------------------------
+    async def complete(self) -> web.Response:
+        async for _, payload, _ in self._events():
+            if isinstance(payload, ProtocolError):
+                raise payload
+        choices = [self._final_choice(c) for c in self.choices]
+        return web.json_response({"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                                  "created": self.created, "model": self.req.model, "choices": choices,
+                                  "usage": self._usage()})
+
+    async def stream(self, request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Accel-Buffering": "no"})
+        await resp.prepare(request)
+        if self.chat:
+            for c in self.choices:
+                await self._send(resp, self._chunk(c, {"role": "assistant", "content": ""}, None))
+        try:
+            async for choice, payload, _ in self._events():
+                if isinstance(payload, ProtocolError):  # after the 200: one error event, then close
+                    await self._send(resp, payload.body())
+                    await resp.write_eof()
+                    return resp
+                await self._send_delta(resp, choice, payload)
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # never a half-written stream without a reason
+            logger.exception("stream %s failed", self.id)
+            await self._send(resp, ProtocolError(f"internal error: {type(exc).__name__}", None, "internal_error",
+                                                 status=500, err_type="server_error").body())
+            await resp.write_eof()
+            return resp
+        if self.req.include_usage:
+            await self._send(resp, {"id": self.id, "object": self._chunk_object, "created": self.created,
+                                    "model": self.req.model, "choices": [], "usage": self._usage()})
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    @property
+    def _chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    async def _send(self, resp: web.StreamResponse, obj: dict) -> None:
+        await resp.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
+
+    async def _send_delta(self, resp, choice: ChoiceStream, text: str) -> None:
+        st = choice.state
+        new_tokens = st.token_ids[getattr(choice, "sent_tokens", 0):]
+        lp = self._logprobs(choice, getattr(choice, "sent_tokens", 0)) if self.req.logprobs is not None else None
+        choice.sent_tokens = len(st.token_ids)
+        if not text and not new_tokens and st.finish_reason is None:
+            return
+        if self.chat:
+            delta = {"content": text} if text or st.finish_reason is None else {}
+            await self._send(resp, self._chunk(choice, delta, st.finish_reason, lp))
+        else:
+            body = {"index": st.index, "text": text, "logprobs": lp, "finish_reason": st.finish_reason}
+            await self._send(resp, {"id": self.id, "object": "text_completion", "created": self.created,
+                                    "model": self.req.model, "choices": [body]})
+
+    def _chunk(self, choice: ChoiceStream, delta: dict, finish: str | None, lp: Any = None) -> dict:
+        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.req.model,
+                "choices": [{"index": choice.state.index, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
+
+    def _final_choice(self, choice: ChoiceStream) -> dict:
+        st = choice.state
+        lp = self._logprobs(choice, 0) if self.req.logprobs is not None else None
+        if self.chat:
+            return {"index": st.index, "message": {"role": "assistant", "content": st.text}, "logprobs": lp,
+                    "finish_reason": st.finish_reason}
+        text = st.text
+        if self.req.echo:
+            prompt = self.prompts[st.index // self.req.n]
+            text = self.state.tokenizer.decode(prompt) + text
+        return {"index": st.index, "text": text, "logprobs": lp, "finish_reason": st.finish_reason}
+
+    def _logprobs(self, choice: ChoiceStream, start: int) -> dict:
+        st, tok = choice.state, self.state.tokenizer
+        ids = st.token_ids[start:]
+        lps = st.logprobs[start : start + len(ids)]
+        tops = st.top_logprobs[start : start + len(ids)]
+        pieces = [tok.decode([t], skip_special_tokens=False) for t in ids]
+        if self.chat:
+            return {"content": [{"token": p, "logprob": lp, "bytes": list(p.encode()),
+                                 "top_logprobs": [{"token": tok.decode([t], skip_special_tokens=False), "logprob": v,
+                                                   "bytes": list(tok.decode([t], skip_special_tokens=False).encode())}
+                                                  for t, v in top]}
+                                for p, lp, top in zip(pieces, lps, tops)]}
+        offsets, pos = [], len(st.text)
+        for p in pieces:
+            offsets.append(pos)
+            pos += len(p)
+        return {"tokens": pieces, "token_logprobs": lps,
+                "top_logprobs": [{tok.decode([t], skip_special_tokens=False): v for t, v in top} for top in tops],
+                "text_offset": offsets}
+
+    def _usage(self) -> dict:
+        prompt = sum(len(self.prompts[i // self.req.n]) for i in range(len(self.choices)) if i % self.req.n == 0)
+        completion = sum(len(c.state.token_ids) for c in self.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

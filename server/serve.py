@@ -1,0 +1,148 @@
+"""`ringserve serve`: start the workers, serve HTTP, drain on SIGTERM, exit non-zero if a worker dies.
+
+Lifecycle: load (workers report ready) → READY=1 to systemd and a curl example on stdout →
+serve → on SIGTERM/SIGINT: readiness 503 and STOPPING=1 at once, new requests refused with 503,
+in-flight requests finish up to --drain-timeout, the rest end with finish_reason "abort", workers
+stop, rings are unlinked, exit 0. A dead worker turns /health to 503 and exits with status 1 so
+the supervisor restarts the service.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import time
+from pathlib import Path
+
+from aiohttp import web
+
+from .app import make_app
+from .protocol import Limits
+from .state import AppState
+
+logger = logging.getLogger(__name__)
+
+
+def add_serve_parser(sub: argparse._SubParsersAction, add_engine_args) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    p.add_argument("model_dir", nargs="?", default=None, help="model directory (default: the built-in model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but health")
+    p.add_argument("--served-model-name", default=None, help="model name in the API (default: the directory name)")
+    p.add_argument("--max-queued-requests", type=int, default=256,
+                   help="requests allowed to wait beyond the running ones; past it: 429 + Retry-After")
+    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="per-request deadline in seconds")
+    p.add_argument("--max-request-bytes", type=int, default=Limits.max_body_bytes)
+    p.add_argument("--threads-per-worker", type=int, default=None)
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (one worker per GPU)")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from engine.worker import new_event_loop
+
+    loop = new_event_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        return loop.run_until_complete(serve(args))
+    finally:
+        loop.close()
+
+
+async def serve(args: argparse.Namespace) -> int:
+    from engine.config import ModelConfig
+    from server.builtin import builtin_model_dir
+    from server.cli import engine_config_from
+    from server.engine_client import EngineClient
+    from server.tokenizer import Tokenizer
+
+    model_dir = Path(args.model_dir) if args.model_dir else builtin_model_dir()
+    model_cfg = ModelConfig.from_model_dir(model_dir)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    config = engine_config_from(args).resolved()
+    name = args.served_model_name or (model_dir.name if args.model_dir else "ringserve-builtin")
+    client = EngineClient(model_dir, config, dp=args.dp, device=args.device, threads_per_worker=args.threads_per_worker)
+    systemd = _systemd()
+    await client.start()
+    limits = Limits(max_body_bytes=args.max_request_bytes)
+    state = AppState(client, tokenizer, [name], model_cfg.vocab_size, client.max_model_len, limits=limits,
+                     api_key=args.api_key, max_running=args.dp * config.max_num_seqs,
+                     max_queued_requests=args.max_queued_requests, request_timeout_s=args.request_timeout,
+                     metrics=_metrics(name))
+    runner = web.AppRunner(make_app(state), handler_cancellation=True, access_log=None,
+                           max_line_size=limits.max_field_bytes, max_field_size=limits.max_field_bytes,
+                           max_headers=limits.max_headers)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port)
+    try:
+        await site.start()
+    except OSError as exc:
+        await client.shutdown()
+        raise OSError(f"cannot listen on {args.host}:{args.port}: {exc.strerror}") from None
+    state.ready = True
+    stop = asyncio.Event()
+    exit_code = 0
+
+    def on_dead(rank: int) -> None:
+        nonlocal exit_code
+        exit_code = 1
+        stop.set()
+
+    client.on_dead.append(on_dead)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    stats_task = asyncio.ensure_future(_publish_stats(state, client))
+    feeder = systemd.start_watchdog(client) if systemd else None
+    if systemd:
+        systemd.ready()
+    host = "localhost" if args.host in ("127.0.0.1", "0.0.0.0") else args.host
+    auth = f' -H "Authorization: Bearer {args.api_key}"' if args.api_key else ""
+    print(f"ringserve serving {name} on http://{args.host}:{args.port} ({args.dp} worker(s))\n"
+          f"try: curl http://{host}:{args.port}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
+          f"-d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], "
+          f"\"max_tokens\": 32}}'", flush=True)
+    await stop.wait()
+    state.draining = True
+    if systemd:
+        systemd.stopping()
+    logger.warning("draining: %d requests in flight, up to %.0f s", state.in_flight, args.drain_timeout)
+    deadline = time.monotonic() + args.drain_timeout
+    while state.in_flight and time.monotonic() < deadline and exit_code == 0:
+        await asyncio.sleep(0.05)
+    for task in (stats_task, feeder):
+        if task is not None:
+            task.cancel()
+    await client.shutdown()  # unfinished requests end with finish_reason "abort"
+    await asyncio.sleep(0.2)  # let their handlers write the last chunks
+    await runner.cleanup()
+    return exit_code
+
+
+async def _publish_stats(state: AppState, client) -> None:
+    """Fold worker heartbeats into the metrics once a second."""
+    while True:
+        await asyncio.sleep(1.0)
+        if state.metrics is not None:
+            state.metrics.update_from(client)
+
+
+def _metrics(name: str):
+    try:
+        from server.metrics_bridge import ServerMetrics
+    except ImportError:
+        return None
+    return ServerMetrics(name)
+
+
+def _systemd():
+    try:
+        from server.systemd_bridge import SystemdHooks
+    except ImportError:
+        return None
+    return SystemdHooks.from_env()
