@@ -131,6 +131,9 @@ async def _heartbeats(rank: int, worker: Worker, outbox: _Outbox) -> None:
     engine = worker.engine
     while True:
         sched = engine.scheduler
+        st = engine.stats
         outbox.send(Heartbeat(rank, worker.stats.steps, worker.step_started_at, len(sched.running), len(sched.waiting),
-                              engine.cache.manager.full.num_used, engine.cache.manager.full.num_blocks, time.time()))
+                              engine.cache.manager.full.num_used, engine.cache.manager.full.num_blocks, time.time(),
+                              sched.num_preemptions, st.spec_drafts, st.spec_draft_tokens,
+                              list(st.spec_accepted_per_position), worker.stats.max_loop_pause_s))
         await asyncio.sleep(HEARTBEAT_S)

@@ -117,6 +117,7 @@ class _Run:
         self.choices = [ChoiceStream(i, state.tokenizer, req.stop) for i in range(len(prompts) * req.n)]
         self.events: asyncio.Queue = asyncio.Queue()
         self.tasks: list[asyncio.Task] = []
+        self.disconnected = True  # until the response completes, a cancellation means the client left
 
     # ---- engine side -------------------------------------------------------------------------
     def _start(self) -> None:
@@ -130,9 +131,26 @@ class _Run:
     async def _pump(self, choice: ChoiceStream, ids: list[int], params) -> None:
         timer = self.state.metrics_timer()
         try:
+            await self._consume(choice, ids, params, timer)
+        except asyncio.CancelledError:
+            if choice.state.finish_reason is None:  # the client went away (or the deadline passed)
+                timer.abort(len(ids), len(choice.state.token_ids), client_disconnected=self.disconnected)
+            raise
+        except Exception as exc:  # the choice failed (e.g. its request could not be sent): report it
+            logger.exception("choice %d of %s failed", choice.state.index, self.id)
+            await self.events.put((choice, ProtocolError(f"request failed: {type(exc).__name__}: {exc}", None,
+                                                         "engine_error", status=500, err_type="server_error"), 0))
+        finally:
+            timer.finish(choice.state.finish_reason or "abort", len(ids), len(choice.state.token_ids))
+
+    async def _consume(self, choice: ChoiceStream, ids: list[int], params, timer) -> None:
+        if True:
             async for item in self.state.client.generate(ids, _to_msg(params, self.req.user)):
                 if item.token_ids:
-                    timer.tokens(len(item.token_ids))
+                    if choice.state.token_ids:
+                        timer.tokens(len(item.token_ids))
+                    else:
+                        timer.first_token(n=len(item.token_ids))
                     text = choice.push(item.token_ids, item.logprobs, item.top_logprobs)
                     await self.events.put((choice, text, len(item.token_ids)))
                     if choice.stopped:  # a stop string ended it (finish_reason is set); the finally aborts
@@ -147,8 +165,6 @@ class _Run:
                     choice.state.completion_tokens = item.completion_tokens
                     await self.events.put((choice, choice.finish(item.finish_reason), 0))
                     return
-        finally:
-            timer.finish(choice.state.finish_reason or "abort", len(ids), len(choice.state.token_ids))
 
     async def _events(self):
         """Yield (choice, text or error, new tokens) until every choice finished."""
@@ -163,6 +179,7 @@ class _Run:
                         remaining -= 1
                     yield choice, payload, n
         except TimeoutError:
+            self.disconnected = False
             for choice in self.choices:
                 if choice.state.finish_reason is None:
                     text = choice.finish("abort")

@@ -10,9 +10,9 @@ How the server uses it::
     timer = metrics.request_timer()          # at request arrival (before validation/queueing)
     timer.scheduled()                        # engine admitted the request (queue time ends)
     timer.tokens(n)                          # each streamed chunk that carries n >= 1 tokens
-    timer.finish("stop", prompt_tokens=p, completion_tokens=c)   # or "length", "abort", "error"
-    metrics.request_rejected("overload")     # 429/503 before a timer was useful
-    metrics.client_disconnected()            # the HTTP client went away mid-request
+    timer.finish("stop", prompt_tokens=p, completion_tokens=c)   # or "length", "error", ...
+    timer.abort(p, c, client_disconnected=True)                 # instead of finish, when aborted
+    metrics.request_rejected("overload")     # refused before admission (429/503, 400 -> "invalid")
     metrics.set_engine_stats(...)            # each stats tick, cumulative totals from workers
     body, content_type = metrics.render()    # GET /metrics
 
@@ -26,6 +26,11 @@ token count, ``t_end`` = the time of :meth:`RequestTimer.finish`, ``N`` = ``comp
 * TPOT  = (E2E - TTFT) / (N - 1), only when N > 1   (one observation per request)
 * E2E   = t_end - t0                                (one observation per request)
 * queue = t_sched - t0                              (one observation per request)
+
+Timestamps are taken when the server writes a chunk, so the client's values add network time.
+ITL as defined here (the brief for ringserve) spreads a multi-token chunk's gap over its tokens,
+so sum(ITL) = t_last - t_1 and mean ITL matches TPOT's meaning under speculative decoding;
+``vllm bench serve`` instead records one ITL per chunk. For 1-token chunks both agree.
 
 All request histograms are observed at :meth:`RequestTimer.finish` and only for requests that
 finished successfully (any finish reason except ``"abort"`` and ``"error"``), which is the
@@ -42,13 +47,14 @@ from array import array
 from typing import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
-from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPENMETRICS_CONTENT_TYPE
-from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
+from prometheus_client.exposition import generate_latest
 
 logger = logging.getLogger(__name__)
 
 PREFIX = "ringserve:"
+
+#: Content type of :meth:`Metrics.render`'s body.
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 #: Buckets for whole-request times (TTFT, E2E, queue): 1 ms .. 1 h.
 REQUEST_BUCKETS: tuple[float, ...] = (
@@ -85,6 +91,8 @@ class Metrics:
     Gauges are whole-server values. Counters fed from workers arrive as cumulative totals
     through :meth:`set_engine_stats` and are converted to increments here (never decreasing).
     Thread-safe to the extent prometheus_client is; intended to be called from the event loop.
+    The attributes holding prometheus children (``ttft``, ``prompt_tokens``...) are exposed for
+    tests; callers should use the methods, which keep the counters consistent.
     """
 
     def __init__(self, model_name: str) -> None:
@@ -225,15 +233,16 @@ class Metrics:
 
     # ---- exposition --------------------------------------------------------------------------
 
-    def render(self, accept: str | None = None) -> tuple[bytes, str]:
-        """Return ``(body, content_type)`` for ``GET /metrics``.
+    def render(self) -> tuple[bytes, str]:
+        """Return ``(body, content_type)`` for ``GET /metrics``: Prometheus text format 0.0.4.
 
-        Prometheus text format 0.0.4 by default; OpenMetrics when ``accept`` (the request's
-        Accept header) asks for ``application/openmetrics-text``.
+        Always this format, whatever the scraper's Accept header: every Prometheus accepts it,
+        while prometheus_client 0.26's OpenMetrics encoder (what Prometheus 2.x asks for first)
+        rewrites ``ringserve:`` to ``ringserve_`` in sample lines but not in ``# TYPE`` lines.
+        Counters and histograms also export ``*_created`` series unless the process runs with
+        ``PROMETHEUS_DISABLE_CREATED_SERIES=true`` (a prometheus_client switch).
         """
-        if accept and "application/openmetrics-text" in accept:
-            return generate_openmetrics(self.registry), OPENMETRICS_CONTENT_TYPE
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        return generate_latest(self.registry), CONTENT_TYPE
 
 
 class RequestTimer:

@@ -24,6 +24,7 @@ class Limits:
     max_stop_chars: int = 256  # characters per stop string
     max_prompts: int = 32  # prompts in one completions request
     max_stop_token_ids: int = 64
+    max_user_chars: int = 256  # the `user` identifier (also the session-affinity key)
 
 
 class ProtocolError(ValueError):
@@ -106,6 +107,14 @@ def _stop(body: dict, limits: Limits) -> list[str]:
             raise ProtocolError(f"a 'stop' string is at most {limits.max_stop_chars} characters, got {len(s)}",
                                 "stop", "too_long")
     return stop
+
+
+def _user(body: dict, limits: Limits) -> str | None:
+    user = _get(body, "user", (str,), None)
+    if user is not None and len(user) > limits.max_user_chars:
+        raise ProtocolError(f"'user' is at most {limits.max_user_chars} characters, got {len(user)}", "user",
+                            "too_long")
+    return user
 
 
 def _token_ids(value: Any, name: str) -> list[int]:
@@ -201,7 +210,7 @@ def parse_completion(body: Any, limits: Limits, served: list[str]) -> Generation
         raise ProtocolError("'suffix' is not supported", "suffix", "unsupported")
     return GenerationRequest(model, prompts, None, _common(body, limits, "max_tokens", logprobs, n), n, stream, include,
                              _stop(body, limits), echo=bool(_get(body, "echo", (bool,), False)), logprobs=logprobs,
-                             user=_get(body, "user", (str,), None), max_tokens_given=body.get("max_tokens") is not None)
+                             user=_user(body, limits), max_tokens_given=body.get("max_tokens") is not None)
 
 
 def parse_chat(body: Any, limits: Limits, served: list[str]) -> GenerationRequest:
@@ -229,4 +238,4 @@ def parse_chat(body: Any, limits: Limits, served: list[str]) -> GenerationReques
     params = _common(body, limits, "max_completion_tokens", logprobs, n)
     given = body.get("max_completion_tokens") is not None or body.get("max_tokens") is not None
     return GenerationRequest(model, [], messages, params, n, stream, include, _stop(body, limits), logprobs=logprobs,
-                             user=_get(body, "user", (str,), None), max_tokens_given=given)
+                             user=_user(body, limits), max_tokens_given=given)

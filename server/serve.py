@@ -18,9 +18,12 @@ from pathlib import Path
 
 from aiohttp import web
 
+from . import systemd
 from .app import make_app
+from .metrics import Metrics
 from .protocol import Limits
 from .state import AppState
+from .systemd import WatchdogFeeder
 
 logger = logging.getLogger(__name__)
 
@@ -67,13 +70,12 @@ async def serve(args: argparse.Namespace) -> int:
     config = engine_config_from(args).resolved()
     name = args.served_model_name or (model_dir.name if args.model_dir else "ringserve-builtin")
     client = EngineClient(model_dir, config, dp=args.dp, device=args.device, threads_per_worker=args.threads_per_worker)
-    systemd = _systemd()
     await client.start()
     limits = Limits(max_body_bytes=args.max_request_bytes)
     state = AppState(client, tokenizer, [name], model_cfg.vocab_size, client.max_model_len, limits=limits,
                      api_key=args.api_key, max_running=args.dp * config.max_num_seqs,
                      max_queued_requests=args.max_queued_requests, request_timeout_s=args.request_timeout,
-                     metrics=_metrics(name))
+                     metrics=Metrics(name))
     runner = web.AppRunner(make_app(state), handler_cancellation=True, access_log=None,
                            max_line_size=limits.max_field_bytes, max_field_size=limits.max_field_bytes,
                            max_headers=limits.max_headers)
@@ -98,9 +100,9 @@ async def serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     stats_task = asyncio.ensure_future(_publish_stats(state, client))
-    feeder = systemd.start_watchdog(client) if systemd else None
-    if systemd:
-        systemd.ready()
+    feeder = WatchdogFeeder(lambda: client.healthy and not client.stuck)  # hung or dead worker: stop feeding
+    feeder.start()
+    systemd.notify_ready(f"serving {name} with {args.dp} worker(s)")
     host = "localhost" if args.host in ("127.0.0.1", "0.0.0.0") else args.host
     auth = f' -H "Authorization: Bearer {args.api_key}"' if args.api_key else ""
     print(f"ringserve serving {name} on http://{args.host}:{args.port} ({args.dp} worker(s))\n"
@@ -109,15 +111,13 @@ async def serve(args: argparse.Namespace) -> int:
           f"\"max_tokens\": 32}}'", flush=True)
     await stop.wait()
     state.draining = True
-    if systemd:
-        systemd.stopping()
+    systemd.notify_stopping("draining")
     logger.warning("draining: %d requests in flight, up to %.0f s", state.in_flight, args.drain_timeout)
     deadline = time.monotonic() + args.drain_timeout
     while state.in_flight and time.monotonic() < deadline and exit_code == 0:
         await asyncio.sleep(0.05)
-    for task in (stats_task, feeder):
-        if task is not None:
-            task.cancel()
+    stats_task.cancel()
+    await feeder.stop()
     await client.shutdown()  # unfinished requests end with finish_reason "abort"
     await asyncio.sleep(0.2)  # let their handlers write the last chunks
     await runner.cleanup()
@@ -125,24 +125,17 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 async def _publish_stats(state: AppState, client) -> None:
-    """Fold worker heartbeats into the metrics once a second."""
+    """Fold the workers' heartbeats into the metrics once a second."""
     while True:
         await asyncio.sleep(1.0)
-        if state.metrics is not None:
-            state.metrics.update_from(client)
-
-
-def _metrics(name: str):
-    try:
-        from server.metrics_bridge import ServerMetrics
-    except ImportError:
-        return None
-    return ServerMetrics(name)
-
-
-def _systemd():
-    try:
-        from server.systemd_bridge import SystemdHooks
-    except ImportError:
-        return None
-    return SystemdHooks.from_env()
+        beats = [r.last_beat for r in client.ranks if r.alive and r.last_beat is not None]
+        used = sum(b.kv_blocks_used for b in beats)
+        total = sum(b.kv_blocks_total for b in beats)
+        spec = [sum(col) for col in zip(*(b.spec_accepted_per_position for b in beats))] if beats else []
+        state.metrics.set_engine_stats(
+            running=sum(b.num_running for b in beats), waiting=sum(b.num_waiting for b in beats),
+            kv_usage=used / total if total else 0.0, dp_imbalance=client.router.imbalance(),
+            loop_pause_s=max((b.loop_pause_max_s for b in beats), default=0.0),
+            preemptions_total=sum(b.num_preemptions for b in beats),
+            spec_drafts_total=sum(b.spec_drafts for b in beats),
+            spec_draft_tokens_total=sum(b.spec_draft_tokens for b in beats), spec_accepted_per_position=spec)

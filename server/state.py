@@ -46,7 +46,7 @@ class AppState:
                                 None, "unavailable", status=503, err_type="service_unavailable")
         if self.in_flight + n > self.max_running + self.max_queued_requests:
             if self.metrics is not None:
-                self.metrics.rejected("overload")
+                self.metrics.request_rejected("overload")
             raise ProtocolError(f"the server is overloaded ({self.in_flight} requests in flight); retry later",
                                 None, "overloaded", status=429, err_type="rate_limit_error")
         self.in_flight += n
