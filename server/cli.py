@@ -105,6 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
     from server.serve import add_serve_parser
 
     add_serve_parser(sub, add_engine_args)
+    p = sub.add_parser("systemd-unit", help="print a systemd unit that runs `ringserve serve` with these flags")
+    p.add_argument("--user", default=None, help="run as this account (default: DynamicUser)")
+    p.add_argument("--watchdog-sec", type=float, default=60.0)
+    p.add_argument("serve_args", nargs=argparse.REMAINDER, help="flags for ringserve serve")
+    p.set_defaults(func=_cmd_systemd_unit)
     return parser
 
 
@@ -114,6 +119,19 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
     out = make_model_dir(args.out_dir, args.preset, seed=args.seed, layout=args.layout, dtype=args.dtype,
                          quantize=args.quantize)
     print(f"wrote {args.preset} DeepSeek-V4 checkpoint to {out}")
+    return 0
+
+
+def _cmd_systemd_unit(args: argparse.Namespace) -> int:
+    import shutil
+
+    from server.systemd import render_unit
+
+    serve_args = [a for a in args.serve_args if a != "--"]
+    probe = build_parser().parse_args(["serve", *serve_args])  # validate the flags now, not at boot
+    exec_path = shutil.which("ringserve") or str(Path(sys.executable).with_name("ringserve"))
+    print(render_unit(serve_args, exec_path=exec_path, user=args.user, drain_timeout_s=probe.drain_timeout,
+                      watchdog_s=args.watchdog_sec), end="")
     return 0
 
 

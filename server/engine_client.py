@@ -25,6 +25,8 @@ from engine.engine import EngineConfig
 from ipc import (Abort, Error, Finished, Heartbeat, IpcError, RingConfig, RingReader, RingWriter, SamplingParamsMsg,
                  Shutdown, Submit, TokenDelta, WorkerReady, decode, encode)
 
+from ipc.segment import remove_orphans
+
 from .router import DPRouter
 
 logger = logging.getLogger(__name__)
@@ -80,6 +82,7 @@ class EngineClient:
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
+        remove_orphans()  # rings a crashed predecessor left in /dev/shm
         ctx = multiprocessing.get_context("spawn")
         from engine.worker_process import worker_main
 

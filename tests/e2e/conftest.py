@@ -1,82 +1,14 @@
-"""A real `ringserve serve` subprocess on loopback, started and stopped by the tests."""
+"""Fixtures: a tiny model made by `ringserve make-model`, and a shared `ringserve serve`."""
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-API_KEY = "test-key-123"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, model_dir: Path, *args: str, env: dict | None = None, api_key: str | None = API_KEY):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.api_key = api_key
-        cmd = [sys.executable, "-m", "server.cli", "serve", str(model_dir), "--port", str(self.port),
-               "--kv-cache-memory", "0.05", "--block-size", "16", "--threads-per-worker", "1", *args]
-        if api_key:
-            cmd += ["--api-key", api_key]
-        self.log = open(model_dir.parent / f"serve-{self.port}.log", "w+")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-                                     start_new_session=True)
-        self.wait_ready()
-
-    def wait_ready(self, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}: {self.output()}")
-            try:
-                with urllib.request.urlopen(self.url + "/ready", timeout=1) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"server not ready: {self.output()}")
-
-    def output(self) -> str:
-        self.log.flush()
-        self.log.seek(0)
-        return self.log.read()
-
-    def get(self, path: str, key: str | None = None) -> tuple[int, dict]:
-        req = urllib.request.Request(self.url + path)
-        if key:
-            req.add_header("Authorization", f"Bearer {key}")
-        try:
-            with urllib.request.urlopen(req, timeout=10) as r:
-                body = r.read()
-                return r.status, json.loads(body) if body.startswith(b"{") else {"text": body.decode()}
-        except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read() or b"{}")
-
-    def stop(self, sig=signal.SIGTERM, timeout: float = 60) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            return self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            raise
-        finally:
-            self.log.close()
+from server_process import Server
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,204 @@
+"""Overload, disconnect storms, SIGTERM drain, worker death and systemd notifications."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import aiohttp
+import pytest
+
+from ipc.segment import list_segments
+
+from server_process import Server
+
+HEADERS = {"Authorization": "Bearer test-key-123"}
+LONG = {"prompt": "go", "max_tokens": 900, "ignore_eos": True, "stream": True}
+
+
+def _segments_of(pid: int) -> list[str]:
+    """Shared-memory rings created by process `pid` (ring names start with rsring-<creator pid>-)."""
+    return [n for n in list_segments() if n.startswith(f"rsring-{pid}-")]
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def _workers(pid: int) -> list[int]:
+    """Worker processes of the server (spawned children, not multiprocessing's resource tracker)."""
+    found = []
+    for child in _children(pid):
+        with open(f"/proc/{child}/cmdline", "rb") as f:
+            if b"spawn_main" in f.read():
+                found.append(child)
+    return found
+
+
+def _metric(server, name: str) -> float:
+    status, body = server.get("/metrics", "test-key-123")
+    for line in body["text"].splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+async def _first_chunk_then(session, url, body, after):
+    async with session.post(url + "/v1/completions", json=body, headers=HEADERS) as resp:
+        if resp.status != 200:
+            return resp.status, dict(resp.headers), await resp.text()
+        await resp.content.readline()
+        return await after(resp)
+
+
+def test_overload_is_429_with_retry_after(model_dir):
+    server = Server(model_dir, "--max-num-seqs", "1", "--max-queued-requests", "1")
+    try:
+        async def main():
+            async with aiohttp.ClientSession() as s:
+                async def hold(resp):
+                    await asyncio.sleep(2.0)
+                    return 200, {}, ""
+                tasks = [asyncio.ensure_future(_first_chunk_then(s, server.url, LONG, hold)) for _ in range(2)]
+                await asyncio.sleep(1.0)
+                t0 = time.monotonic()
+                async with s.post(server.url + "/v1/completions", json=LONG, headers=HEADERS) as resp:
+                    body = await resp.json()
+                    status, retry, took = resp.status, resp.headers.get("Retry-After"), time.monotonic() - t0
+                await asyncio.gather(*tasks)
+                return status, retry, took, body
+        status, retry, took, body = asyncio.run(main())
+        assert status == 429 and retry is not None and took < 1.0
+        assert body["error"]["type"] == "rate_limit_error"
+    finally:
+        assert server.stop() == 0
+
+
+def test_disconnect_storm_leaves_nothing_behind(model_dir):
+    server = Server(model_dir, "--max-num-seqs", "8", "--max-queued-requests", "1000")
+    storm = 200
+    try:
+        async def main():
+            conn = aiohttp.TCPConnector(limit=0)
+            async with aiohttp.ClientSession(connector=conn) as s:
+                async def drop(resp):
+                    resp.close()  # vanish mid-stream
+                    return 200, {}, ""
+
+                async def one(i):
+                    if i % 2:
+                        return await _first_chunk_then(s, server.url, LONG, drop)
+                    try:  # non-streaming clients that give up
+                        await asyncio.wait_for(s.post(server.url + "/v1/completions", headers=HEADERS,
+                                                      json={**LONG, "stream": False}), timeout=0.3)
+                    except asyncio.TimeoutError:
+                        pass
+                    return 200, {}, ""
+                await asyncio.gather(*(one(i) for i in range(storm)))
+        asyncio.run(main())
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            time.sleep(1.2)  # metrics refresh once a second from heartbeats
+            if (_metric(server, "ringserve:num_requests_running") == 0
+                    and _metric(server, "ringserve:num_requests_waiting") == 0
+                    and _metric(server, "ringserve:kv_cache_usage_perc") == 0):
+                break
+        else:
+            pytest.fail("requests or KV blocks were still held after the storm")
+        assert _metric(server, "ringserve:http_requests_client_disconnected_total") > 0
+        status, body = server.get("/health")
+        assert status == 200
+        import openai
+
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="test-key-123", max_retries=0)
+        assert client.completions.create(model="tiny", prompt="after", max_tokens=3).choices[0].text is not None
+    finally:
+        assert server.stop() == 0
+
+
+def test_sigterm_drains_then_aborts_and_cleans_up(model_dir, tmp_path):
+    notify = tmp_path / "notify.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(notify))
+    sock.settimeout(0.1)
+    server = Server(model_dir, "--drain-timeout", "1.5", env={"NOTIFY_SOCKET": str(notify)})
+    messages = []
+    try:
+        async def main():
+            async with aiohttp.ClientSession() as s:
+                async def read_rest(resp):
+                    finish = None
+                    async for line in resp.content:
+                        if line.startswith(b"data: {"):
+                            choice = json.loads(line[6:])["choices"]
+                            if choice and choice[0]["finish_reason"]:
+                                finish = choice[0]["finish_reason"]
+                    return finish
+                streams = [asyncio.ensure_future(_first_chunk_then(s, server.url, LONG, read_rest)) for _ in range(2)]
+                await asyncio.sleep(1.0)
+                os.kill(server.proc.pid, signal.SIGTERM)
+                await asyncio.sleep(0.3)
+                async with s.get(server.url + "/ready") as r:
+                    ready = r.status
+                async with s.post(server.url + "/v1/completions", json={"prompt": "late", "max_tokens": 2},
+                                  headers=HEADERS) as r:
+                    late = r.status
+                return ready, late, await asyncio.gather(*streams)
+        ready, late, finishes = asyncio.run(main())
+        assert ready == 503 and late == 503
+        assert finishes == ["abort", "abort"]
+        assert server.proc.wait(timeout=60) == 0
+    finally:
+        code = server.stop()
+        while True:
+            try:
+                messages.append(sock.recv(4096).decode())
+            except OSError:
+                break
+        sock.close()
+    assert code == 0
+    assert any(m.startswith("READY=1") for m in messages) and any("STOPPING=1" in m for m in messages)
+    assert not _children(server.proc.pid) and not _segments_of(server.proc.pid)
+
+
+def test_dead_worker_fails_health_and_exits_nonzero(model_dir):
+    server = Server(model_dir)
+    try:
+        workers = _workers(server.proc.pid)
+        assert len(workers) == 1
+        os.kill(workers[0], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        saw_503 = False
+        while time.monotonic() < deadline and server.proc.poll() is None:
+            try:
+                saw_503 |= server.get("/health")[0] == 503
+            except OSError:
+                break
+            time.sleep(0.05)
+        assert server.proc.wait(timeout=60) == 1
+        assert saw_503 or server.proc.returncode == 1
+    finally:
+        server.stop()
+    assert not _segments_of(server.proc.pid)
+
+
+def test_systemd_unit_verifies(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "server.cli", "systemd-unit", "--", "--port", "9000", "--dp", "2",
+                           "--drain-timeout", "45"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    unit = proc.stdout
+    for line in ("Type=notify", "Restart=on-failure", "KillMode=mixed", "LimitMEMLOCK=infinity", "WatchdogSec="):
+        assert line in unit
+    assert "PrivateDevices" not in unit
+    stop = int(next(l for l in unit.splitlines() if l.startswith("TimeoutStopSec=")).split("=")[1])
+    assert stop >= 45
+    bad = subprocess.run([sys.executable, "-m", "server.cli", "systemd-unit", "--", "--port", "x"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0
