@@ -1,8 +1,14 @@
 """Kernel benchmark: each CPU implementation vs its torch reference and vs memcpy bandwidth.
 
-Prints one table. "GB/s" counts the bytes an op must read and write once; "÷memcpy" divides it
-by the measured copy bandwidth of this machine (read + write of a 256 MiB buffer). With a CUDA
-device (and CuPy), the CUDA kernels get the same columns against the GPU copy bandwidth.
+Prints one table. "GB/s" counts the bytes an op must read and write once: for every KV op that
+is the bf16 input (N x D x 2 bytes, what quantize reads and dequantize writes) plus the records
+(N x record_bytes, what quantize writes and dequantize reads), the same for the paged
+scatter/gather (slot array not counted); routing counts logits + outputs. "÷memcpy" divides it by
+the measured copy bandwidth of this machine (a 256 MiB torch copy: read + write = 512 MiB moved
+per copy), all with torch's/numba's default thread count. Times are medians of --repeats runs
+after one warm-up call (which also compiles or loads the numba cache); on a shared machine, run
+it several times. With a CUDA device (and CuPy), the CUDA kernels get the same columns against
+the GPU copy bandwidth.
 Goals (CPU): quantize/dequantize >= 0.3 of memcpy; routing >= 5x the reference at 4096 x 256.
 Run: python perf/bench_kernels.py [--rows N] [--repeats R]
 """

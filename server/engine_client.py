@@ -65,14 +65,14 @@ class _Rank:
 class EngineClient:
     def __init__(self, model_dir: str | Path, config: EngineConfig, dp: int = 1, device: str = "cpu",
                  threads_per_worker: int | None = None, ring_config: RingConfig | None = None,
-                 stuck_after_s: float = 30.0, ready_timeout_s: float = 600.0):
+                 stuck_after_s: float = 30.0, ready_timeout_s: float = 600.0, routing: str = "token_load"):
         self.model_dir, self.config, self.dp, self.device = str(model_dir), config, dp, device
         self.threads = threads_per_worker or max(1, (os.cpu_count() or 1) // dp)
         self.ring_config = ring_config or RingConfig(slot_bytes=1 << 20, num_slots=64)
         self.stuck_after_s = stuck_after_s
         self.ready_timeout_s = ready_timeout_s
         self.ranks: list[_Rank] = []
-        self.router = DPRouter(dp, config.block_size)
+        self.router = DPRouter(dp, config.block_size, policy=routing)
         self._queues: dict[int, asyncio.Queue] = {}
         self._owner: dict[int, int] = {}
         self._next_id = 1

@@ -40,9 +40,16 @@ class RankLoad:
 
 
 class DPRouter:
-    def __init__(self, num_ranks: int, block_size: int = 256, max_sessions: int = 100_000):
+    POLICIES = ("token_load", "round_robin")
+
+    def __init__(self, num_ranks: int, block_size: int = 256, max_sessions: int = 100_000,
+                 policy: str = "token_load"):
         if num_ranks < 1:
             raise ValueError("need at least one rank")
+        if policy not in self.POLICIES:
+            raise ValueError(f"routing policy must be one of {self.POLICIES}, got {policy!r}")
+        self.policy = policy
+        self._turn = 0
         self.ranks = [RankLoad() for _ in range(num_ranks)]
         self.block_size = block_size
         self.sessions: dict[str, int] = {}
@@ -59,6 +66,9 @@ class DPRouter:
             rank = self.sessions.get(session)
             if rank is not None and self.ranks[rank].alive:
                 return rank
+        if self.policy == "round_robin":  # the baseline the benchmark compares against
+            self._turn += 1
+            return alive[self._turn % len(alive)]
         return min(alive, key=lambda i: (self.ranks[i].load, i))
 
     def assign(self, request_id: int, prompt_tokens: int, max_tokens: int, session: str | None = None) -> int:
