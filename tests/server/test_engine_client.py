@@ -63,7 +63,7 @@ def test_killed_worker_fails_only_its_requests_and_shutdown_leaves_nothing(model
         client = EngineClient(model_dir, _config(), dp=2, threads_per_worker=1, stuck_after_s=1.0)
         await client.start()
         try:
-            long = SamplingParamsMsg(max_tokens=400, temperature=0.0, ignore_eos=True)
+            long = SamplingParamsMsg(max_tokens=120, temperature=0.0, ignore_eos=True)
             results: dict[int, tuple[str, str | None, int]] = {}
 
             async def run(i):
@@ -85,7 +85,7 @@ def test_killed_worker_fails_only_its_requests_and_shutdown_leaves_nothing(model
                 if 100 + i in on_victim:
                     assert reason == "error" and "rank 0 died" in error
                 else:
-                    assert reason == "length" and n == 400
+                    assert reason == "length" and n == 120
             assert not client.healthy
         finally:
             await client.shutdown()
