@@ -1,0 +1,76 @@
+"""Loop pauses over a long run: the worker serving a steady random load for --seconds.
+
+Reports the longest gap between two engine steps while work was waiting (host-side pauses:
+scheduling, IO, GC) and the longest GC pause inside the token path, after gc.freeze().
+
+    python perf/bench_soak.py [--seconds 300] [--preset tiny]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.checkpoint import preset_config, random_state, write_checkpoint  # noqa: E402
+from engine.engine import Engine, EngineConfig  # noqa: E402
+from engine.sampling import SamplingParams  # noqa: E402
+from engine.weights import load_model  # noqa: E402
+from engine.worker import Worker, new_event_loop  # noqa: E402
+
+
+async def soak(worker: Worker, seconds: float, vocab: int) -> int:
+    rng = random.Random(0)
+    done = {"n": 0}
+
+    def emit(delta):
+        if delta.finish_reason:
+            done["n"] += 1
+
+    worker.emit = emit
+    task = asyncio.ensure_future(worker.run())
+    end = time.monotonic() + seconds
+    i = 0
+    while time.monotonic() < end:
+        if len(worker.engine.scheduler.requests) < 12:
+            ids = [rng.randrange(3, vocab) for _ in range(rng.randint(4, 200))]
+            worker.submit(str(i), ids, SamplingParams(max_tokens=rng.randint(4, 64), ignore_eos=True))
+            i += 1
+        await asyncio.sleep(0.01)
+    worker.stop()
+    await task
+    return done["n"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=300)
+    parser.add_argument("--preset", default="tiny")
+    args = parser.parse_args()
+    cfg = preset_config(args.preset)
+    with tempfile.TemporaryDirectory() as tmp:
+        write_checkpoint(tmp, cfg, random_state(cfg, 0), dtype=torch.float32)
+        model = load_model(tmp, dtype=torch.float32, progress=False, load_mtp=False)
+    engine = Engine(model, EngineConfig(max_num_seqs=16, max_num_batched_tokens=512, kv_cache_memory_bytes=64 << 20))
+    worker = Worker(engine, lambda d: None)
+    worker.warm_up()
+    loop = new_event_loop()
+    finished = loop.run_until_complete(soak(worker, args.seconds, cfg.vocab_size))
+    loop.close()
+    s = worker.stats
+    print(f"{args.preset} preset, {args.seconds:.0f} s soak, {finished} requests finished, {s.steps} steps")
+    print(f"longest loop pause between steps: {s.max_loop_pause_s * 1e3:.2f} ms")
+    print(f"longest GC pause in the token path: {s.max_gc_pause_s * 1e3:.2f} ms")
+    print(f"longest engine step: {engine.stats.max_step_s * 1e3:.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
