@@ -105,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     from server.serve import add_serve_parser
 
     add_serve_parser(sub, add_engine_args)
+    p = sub.add_parser("bench", help="serving benchmark client: bench serve | sweep | plot | gen-trace",
+                       add_help=False)
+    p.add_argument("bench_args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_cmd_bench)
     p = sub.add_parser("systemd-unit", help="print a systemd unit that runs `ringserve serve` with these flags")
     p.add_argument("--user", default=None, help="run as this account (default: DynamicUser)")
     p.add_argument("--watchdog-sec", type=float, default=60.0)
@@ -120,6 +124,12 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
                          quantize=args.quantize)
     print(f"wrote {args.preset} DeepSeek-V4 checkpoint to {out}")
     return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from perf.serving.cli import main as bench_main
+
+    return bench_main(list(args.bench_args))
 
 
 def _cmd_systemd_unit(args: argparse.Namespace) -> int:
@@ -314,6 +324,11 @@ def _load_tokenizer(model_dir: Path):
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # its own parser (flags such as --help belong to it)
+        from perf.serving.cli import main as bench_main
+
+        return bench_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

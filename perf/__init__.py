@@ -1,0 +1,1 @@
+"""ringserve benchmarks. `perf.serving` is the online serving benchmark client (`ringserve bench`)."""
