@@ -74,7 +74,7 @@ class PeerWatch:
             readable, _, _ = select.select([self._fd], [], [], 0)
             self._dead = bool(readable)
         else:
-            self._dead = not _pid_running(self.pid)
+            self._dead = not pid_running(self.pid)
         return not self._dead
 
     def close(self) -> None:
@@ -83,7 +83,7 @@ class PeerWatch:
             self._fd = None
 
 
-def _pid_running(pid: int) -> bool:
+def pid_running(pid: int) -> bool:
     """True if ``pid`` exists and is not a zombie."""
     try:
         os.kill(pid, 0)

@@ -18,6 +18,7 @@ import re
 import secrets
 import stat
 
+from ipc.doorbell import pid_running
 from ipc.errors import RingError
 
 logger = logging.getLogger(__name__)
@@ -147,7 +148,7 @@ def remove_orphans() -> list[str]:
     for entry in list_segments():
         match = _ANY_RE.match(entry)
         assert match is not None
-        if _pid_alive(int(match.group(1))):
+        if pid_running(int(match.group(1))):
             continue
         try:
             os.unlink(os.path.join(SHM_DIR, entry))
@@ -157,13 +158,3 @@ def remove_orphans() -> list[str]:
     if removed:
         logger.warning("removed %d orphaned ring files from %s", len(removed), SHM_DIR)
     return removed
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
