@@ -244,11 +244,14 @@ class _Run:
             return
         if self.chat:
             delta = {"content": text} if text or st.finish_reason is None else {}
-            await self._send(resp, self._chunk(choice, delta, st.finish_reason, lp))
+            chunk = self._chunk(choice, delta, st.finish_reason, lp)
         else:
             body = {"index": st.index, "text": text, "logprobs": lp, "finish_reason": st.finish_reason}
-            await self._send(resp, {"id": self.id, "object": "text_completion", "created": self.created,
-                                    "model": self.req.model, "choices": [body]})
+            chunk = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.req.model,
+                     "choices": [body]}
+        if self.req.continuous_usage:  # running totals, so clients can count tokens per chunk exactly
+            chunk["usage"] = self._usage()
+        await self._send(resp, chunk)
 
     def _chunk(self, choice: ChoiceStream, delta: dict, finish: str | None, lp: Any = None) -> dict:
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.req.model,

@@ -49,6 +49,7 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
     stop: list[str]
+    continuous_usage: bool = False  # vLLM extension: usage on every streamed chunk
     echo: bool = False
     logprobs: int | None = None  # completions: top-N alternatives; chat: top_logprobs when logprobs=true
     user: str | None = None
@@ -162,16 +163,20 @@ def _model(body: dict, served: list[str]) -> str:
     return model
 
 
-def _stream_opts(body: dict) -> tuple[bool, bool]:
+def _stream_opts(body: dict) -> tuple[bool, bool, bool]:
+    """(stream, include_usage, continuous_usage_stats)."""
     stream = bool(_get(body, "stream", (bool,), False))
     opts = _get(body, "stream_options", (dict,), {})
-    include = opts.get("include_usage", False)
-    if not isinstance(include, bool):
-        raise ProtocolError("'stream_options.include_usage' must be a boolean", "stream_options", "invalid_type")
+    flags = []
+    for key in ("include_usage", "continuous_usage_stats"):
+        value = opts.get(key, False)
+        if not isinstance(value, bool):
+            raise ProtocolError(f"'stream_options.{key}' must be a boolean", "stream_options", "invalid_type")
+        flags.append(value)
     if opts and not stream:
         raise ProtocolError("'stream_options' is only allowed when 'stream' is true", "stream_options",
                             "invalid_value")
-    return stream, include
+    return stream, flags[0], flags[1]
 
 
 def _require_object(body: Any) -> dict:
@@ -203,14 +208,15 @@ def parse_completion(body: Any, limits: Limits, served: list[str]) -> Generation
         raise ProtocolError("'prompt' must not be empty", "prompt", "invalid_value")
     logprobs = _int(body, "logprobs", None, 0, limits.max_logprobs)
     n = _int(body, "n", 1, 1, limits.max_n)
-    stream, include = _stream_opts(body)
+    stream, include, continuous = _stream_opts(body)
     if _get(body, "best_of", (int,), None) not in (None, 1, n):
         raise ProtocolError("'best_of' other than n is not supported", "best_of", "unsupported")
     if _get(body, "suffix", (str,), None):
         raise ProtocolError("'suffix' is not supported", "suffix", "unsupported")
     return GenerationRequest(model, prompts, None, _common(body, limits, "max_tokens", logprobs, n), n, stream, include,
                              _stop(body, limits), echo=bool(_get(body, "echo", (bool,), False)), logprobs=logprobs,
-                             user=_user(body, limits), max_tokens_given=body.get("max_tokens") is not None)
+                             user=_user(body, limits), max_tokens_given=body.get("max_tokens") is not None,
+                             continuous_usage=continuous)
 
 
 def parse_chat(body: Any, limits: Limits, served: list[str]) -> GenerationRequest:
@@ -231,11 +237,11 @@ def parse_chat(body: Any, limits: Limits, served: list[str]) -> GenerationReques
         raise ProtocolError("'top_logprobs' needs 'logprobs': true", "top_logprobs", "invalid_value")
     logprobs = (top or 0) if want_lp else None
     n = _int(body, "n", 1, 1, limits.max_n)
-    stream, include = _stream_opts(body)
+    stream, include, continuous = _stream_opts(body)
     fmt = _get(body, "response_format", (dict,), None)
     if fmt is not None and fmt.get("type") not in (None, "text"):
         raise ProtocolError("only response_format type 'text' is supported", "response_format", "unsupported")
     params = _common(body, limits, "max_completion_tokens", logprobs, n)
     given = body.get("max_completion_tokens") is not None or body.get("max_tokens") is not None
     return GenerationRequest(model, [], messages, params, n, stream, include, _stop(body, limits), logprobs=logprobs,
-                             user=_user(body, limits), max_tokens_given=given)
+                             user=_user(body, limits), max_tokens_given=given, continuous_usage=continuous)

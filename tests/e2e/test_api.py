@@ -103,3 +103,12 @@ def test_auth_required_except_health(server):
     bad = openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
+
+
+def test_continuous_usage_counts_tokens_per_chunk(client):
+    chunks = list(client.completions.create(
+        model=client.models.list().data[0].id, prompt="count", max_tokens=7, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True}))
+    running = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert running == sorted(running) and running[-1] == 7
+    assert chunks[-1].usage.completion_tokens == 7
