@@ -31,8 +31,8 @@ def run(model, k: int, prompt: list[int], tokens: int, oracle: list[int] | None 
     if oracle is not None:
         engine.runner.draft_override = lambda req, acc, d: oracle[req.num_output_tokens + len(acc):][:k] or d
     engine.add_request("0", prompt, SamplingParams(max_tokens=tokens, ignore_eos=True))
-    engine.step()  # prefill (not timed)
-    out, t0 = [], time.perf_counter()
+    out = [t for d in engine.step() for t in d.token_ids]  # prefill and the first token (not timed)
+    t0 = time.perf_counter()
     while engine.has_work:
         for d in engine.step():
             out.extend(d.token_ids)
