@@ -36,6 +36,12 @@ class WorkerDied(RuntimeError):
     pass
 
 
+def _slot_bytes(max_model_len: int | None) -> int:
+    """A ring slot must hold a Submit of the longest prompt (4 bytes a token) plus its header."""
+    need = 4 * (max_model_len or 32768) + (64 << 10)
+    return max(1 << 20, -(-need // 64) * 64)
+
+
 @dataclass
 class Output:
     """One item of a request's output stream."""
@@ -68,7 +74,7 @@ class EngineClient:
                  stuck_after_s: float = 30.0, ready_timeout_s: float = 600.0, routing: str = "token_load"):
         self.model_dir, self.config, self.dp, self.device = str(model_dir), config, dp, device
         self.threads = threads_per_worker or max(1, (os.cpu_count() or 1) // dp)
-        self.ring_config = ring_config or RingConfig(slot_bytes=1 << 20, num_slots=64)
+        self.ring_config = ring_config or RingConfig(slot_bytes=_slot_bytes(config.max_model_len), num_slots=64)
         self.stuck_after_s = stuck_after_s
         self.ready_timeout_s = ready_timeout_s
         self.ranks: list[_Rank] = []
