@@ -175,7 +175,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloat16, devic
             _assign(model, name, value, device)
     model.rope_main.inv_freq = model.rope_main.inv_freq.to(device)
     model.rope_compress.inv_freq = model.rope_compress.inv_freq.to(device)
-    model.eval().requires_grad_(False)
+    model.train(False).requires_grad_(False)  # inference only
     logger.info("loaded %s (%s layout, %d tensors) as %s", model_dir, layout, len(weight_names), dtype)
     return model
 

@@ -27,7 +27,7 @@ def test_rejection_sampling_preserves_the_target_distribution():
     for _ in range(TRIALS):
         drafts = [int(sample(q[None], [g])[0]) for _ in range(k)]
         out = verify(target, drafts, draft_probs, g)
-        assert 1 <= len(out) <= k + 1 and out[:-1] == drafts[: len(out) - 1]
+        assert 0 < len(out) <= k + 1 and out[:-1] == drafts[: len(out) - 1]
         first[out[0]] += 1
         if len(out) > 1:
             second[out[1]] += 1
