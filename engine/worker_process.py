@@ -19,9 +19,10 @@ import torch
 from ipc import (Abort, Error, Finished, Heartbeat, RingReader, RingTimeout, RingWriter, Shutdown, Submit,
                  TokenDelta, WorkerReady, decode, encode)
 
+from .config import ConfigError
 from .engine import Engine, EngineConfig, TokenDelta as EngineDelta, default_dtype
 from .sampling import SamplingError, SamplingParams
-from .weights import load_model
+from .weights import WeightLoadError, load_model
 from .worker import Worker, new_event_loop
 
 logger = logging.getLogger(__name__)
@@ -78,7 +79,8 @@ def worker_main(rank: int, model_dir: str, config_json: str, request_ring: str, 
         finally:
             loop.close()
     except Exception as exc:  # report, then exit non-zero: the server fails this rank's requests
-        logger.exception("worker %d failed", rank)
+        if not isinstance(exc, (ConfigError, WeightLoadError)):  # known errors: the server prints them
+            logger.exception("worker %d failed", rank)
         try:
             outbox.send(Shutdown(f"rank {rank} failed: {type(exc).__name__}: {exc}"))
         finally:

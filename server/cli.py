@@ -335,10 +335,11 @@ def main(argv: list[str] | None = None) -> int:
     from engine.config import ConfigError
     from engine.sampling import SamplingError
     from engine.weights import WeightLoadError
+    from server.engine_client import WorkerDied
 
     try:
         return args.func(args)
-    except (CliError, ConfigError, WeightLoadError, SamplingError, ValueError, OSError) as exc:
+    except (CliError, ConfigError, WeightLoadError, SamplingError, WorkerDied, ValueError, OSError) as exc:
         message = " ".join(str(exc).split())  # one line, whatever the exception carried
         print(f"ringserve: error: {message}", file=sys.stderr)
         return EXIT_USAGE

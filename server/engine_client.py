@@ -101,7 +101,11 @@ class EngineClient:
                                      self.device))
             proc.start()
             self.ranks.append(_Rank(rank, proc, requests, outputs))
-        await asyncio.gather(*(self._await_ready(r) for r in self.ranks))
+        try:
+            await asyncio.gather(*(self._await_ready(r) for r in self.ranks))
+        except BaseException:
+            await self.shutdown(timeout_s=5.0)  # no half-started server: stop every rank, unlink rings
+            raise
         loop = asyncio.get_running_loop()
         for r in self.ranks:
             loop.add_reader(r.process.sentinel, self._on_sentinel, r)
@@ -109,21 +113,26 @@ class EngineClient:
         self._tasks.append(asyncio.ensure_future(self._watchdog()))
 
     async def _await_ready(self, r: _Rank) -> None:
+        """Wait for WorkerReady; a worker that fails to load reports why (Shutdown) before exiting."""
         deadline = time.monotonic() + self.ready_timeout_s
         while r.ready is None:
-            if not r.process.is_alive():
+            alive = r.process.is_alive()  # read before polling, so a last message is never missed
+            try:
+                data = r.outputs.poll()
+            except IpcError:
+                data = None
+            if data is not None:
+                msg = decode(data)
+                if isinstance(msg, WorkerReady):
+                    r.ready = msg
+                elif isinstance(msg, Shutdown):
+                    raise WorkerDied(msg.reason)
+                continue
+            if not alive:
                 raise WorkerDied(f"rank {r.index} exited with code {r.process.exitcode} while loading")
             if time.monotonic() > deadline:
                 raise WorkerDied(f"rank {r.index} not ready after {self.ready_timeout_s:.0f} s")
-            data = r.outputs.poll()
-            if data is None:
-                await asyncio.sleep(0.02)
-                continue
-            msg = decode(data)
-            if isinstance(msg, WorkerReady):
-                r.ready = msg
-            elif isinstance(msg, Shutdown):
-                raise WorkerDied(msg.reason)
+            await asyncio.sleep(0.02)
 
     @property
     def max_model_len(self) -> int:
@@ -140,7 +149,7 @@ class EngineClient:
         loop = asyncio.get_running_loop()
         for r in self.ranks:
             loop.remove_reader(r.process.sentinel)
-            if r.alive:
+            if r.alive and r.process.is_alive():
                 try:
                     r.requests.put(encode(Shutdown("server shutdown")), timeout=1.0)
                 except IpcError:

@@ -202,3 +202,18 @@ def test_systemd_unit_verifies(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "server.cli", "systemd-unit", "--", "--port", "x"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0
+
+
+def test_broken_checkpoint_fails_fast_with_one_line(model_dir, tmp_path):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(model_dir, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:2000])
+    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", str(broken), "--port", "0",
+                             "--kv-cache-memory", "0.05"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate(timeout=120)
+    lines = [l for l in err.splitlines() if l.startswith("ringserve: error:")]
+    assert proc.returncode == 2 and len(lines) == 1 and "model.safetensors" in lines[0], err
+    assert not _segments_of(proc.pid) and not _children(proc.pid)
