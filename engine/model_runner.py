@@ -70,25 +70,20 @@ class ModelRunner:
     # ---- sampling and verification ----------------------------------------------------------
     def _sample(self, pending: list[_Pending], logits: torch.Tensor) -> dict[str, RequestStepOutput]:
         """Sample every row at once; requests with drafts then verify them row by row."""
-        row_params, history, generators = [], [], []
-        for pend in pending:
-            req, s = pend.sched.request, pend.sched
-            for j in range(1 + s.num_draft):  # row j sees the outputs before it, drafts included
-                row_params.append(req.params)
-                generators.append(req.generator)
-                history.append(req.output_token_ids + req.draft_token_ids[:j] if req.params.has_penalties else [])
-        finite = torch.isfinite(logits).all(dim=-1).tolist()
-        if all(p.greedy and not p.has_penalties for p in row_params):
+        finite = torch.isfinite(logits).all(dim=-1)
+        bad_rows = set() if bool(finite.all()) else set(torch.nonzero(~finite).flatten().tolist())
+        plain = all(p.sched.num_draft == 0 and p.sched.request.params.greedy
+                    and not p.sched.request.params.has_penalties for p in pending)
+        if plain:  # the common decode case: one argmax over the batch, no per-row distributions
             probs, tokens = None, logits.argmax(dim=-1).tolist()
         else:
-            probs = to_probs(apply_penalties(logits, row_params, history), row_params)
-            tokens = sample(probs, generators).tolist()
+            probs, tokens = self._distributions(pending, logits)
         outputs = {}
         lp_rows, lp_tokens, lp_reqs = [], [], []
         for pend in pending:
             req, s = pend.sched.request, pend.sched
             rows = pend.logit_rows
-            if not all(finite[rows]):
+            if bad_rows and any(r in bad_rows for r in range(rows.start, rows.stop)):
                 outputs[req.request_id] = RequestStepOutput([], error="non-finite logits")
                 continue
             if s.num_draft == 0:
@@ -106,6 +101,18 @@ class ModelRunner:
         if lp_rows:
             self._attach_logprobs(outputs, logits[lp_rows], lp_tokens, lp_reqs)
         return outputs
+
+    def _distributions(self, pending: list[_Pending], logits: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """Per-row sampling distributions (penalties, temperature, top-k/p, min-p) and one draw each."""
+        row_params, history, generators = [], [], []
+        for pend in pending:
+            req, s = pend.sched.request, pend.sched
+            for j in range(1 + s.num_draft):  # row j sees the outputs before it, drafts included
+                row_params.append(req.params)
+                generators.append(req.generator)
+                history.append(req.output_token_ids + req.draft_token_ids[:j] if req.params.has_penalties else [])
+        probs = to_probs(apply_penalties(logits, row_params, history), row_params)
+        return probs, sample(probs, generators).tolist()
 
     def _attach_logprobs(self, outputs, logits: torch.Tensor, tokens: list[int], reqs) -> None:
         top_n = max(req.params.logprobs for req, _ in reqs)
