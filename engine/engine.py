@@ -135,14 +135,13 @@ class Engine:
             return []
         drafts_before = {s.request.request_id: s.num_draft for s in batch.scheduled}
         outputs = self.runner.execute(batch)
-        finished = self.scheduler.update(batch, outputs)
+        self.scheduler.update(batch, outputs)
         self._count_acceptance(drafts_before, outputs)
         deltas = [self._delta(s.request) for s in batch.scheduled
                   if s.request.num_output_tokens > s.request.num_emitted or s.request.is_finished]
         self.stats.steps += 1
         self.stats.num_preemptions = self.scheduler.num_preemptions
         self.stats.max_step_s = max(self.stats.max_step_s, time.perf_counter() - t0)
-        del finished
         return deltas
 
     def _count_acceptance(self, drafts: dict[str, int], outputs) -> None:

@@ -26,7 +26,6 @@ class _Pending:
     """A request that samples this step, with its rows in the flattened batch."""
 
     sched: ScheduledRequest
-    begin: int  # first row of the request in the flattened batch
     logit_rows: slice  # its rows in the logits tensor
 
 
@@ -53,7 +52,7 @@ class ModelRunner:
             seqs.append(SeqSlice(req.seq, s.start, begin, s.num_tokens))
             if s.reaches_end:
                 first = begin + s.num_tokens - 1 - s.num_draft
-                pending.append(_Pending(s, begin, slice(len(rows), len(rows) + 1 + s.num_draft)))
+                pending.append(_Pending(s, slice(len(rows), len(rows) + 1 + s.num_draft)))
                 rows.extend(range(first, begin + s.num_tokens))
             begin += s.num_tokens
         token_t = torch.tensor(tokens, device=self.device)
@@ -64,7 +63,7 @@ class ModelRunner:
             logits = self.model.logits(streams[rows])
             outputs = self._sample(pending, logits)
         if self.k:
-            self._run_mtp(batch, streams, token_t, outputs)
+            self._run_mtp(batch, streams, outputs)
         return outputs
 
     # ---- sampling and verification ----------------------------------------------------------
@@ -125,8 +124,7 @@ class ModelRunner:
             i += n
 
     # ---- MTP drafting ------------------------------------------------------------------------
-    def _run_mtp(self, batch: Batch, streams: torch.Tensor, tokens: torch.Tensor,
-                 outputs: dict[str, RequestStepOutput]) -> None:
+    def _run_mtp(self, batch: Batch, streams: torch.Tensor, outputs: dict[str, RequestStepOutput]) -> None:
         """Feed the MTP layer every accepted row of this step, then draft k tokens per request
         that sampled. Row at position q pairs the target's streams at q with token q + 1."""
         mtp = self.model.mtp[0]

@@ -144,27 +144,26 @@ class _Run:
             timer.finish(choice.state.finish_reason or "abort", len(ids), len(choice.state.token_ids))
 
     async def _consume(self, choice: ChoiceStream, ids: list[int], params, timer) -> None:
-        if True:
-            async for item in self.state.client.generate(ids, _to_msg(params, self.req.user)):
-                if item.token_ids:
-                    if choice.state.token_ids:
-                        timer.tokens(len(item.token_ids))
-                    else:
-                        timer.first_token(n=len(item.token_ids))
-                    text = choice.push(item.token_ids, item.logprobs, item.top_logprobs)
-                    await self.events.put((choice, text, len(item.token_ids)))
-                    if choice.stopped:  # a stop string ended it (finish_reason is set); the finally aborts
-                        return
-                if item.finish_reason is not None:
-                    if item.error and item.error_code >= 400 and not choice.state.token_ids:
-                        await self.events.put((choice, ProtocolError(item.error, None, "engine_error",
-                                                                     status=item.error_code,
-                                                                     err_type="server_error" if item.error_code >= 500
-                                                                     else "invalid_request_error"), 0))
-                        return
-                    choice.state.completion_tokens = item.completion_tokens
-                    await self.events.put((choice, choice.finish(item.finish_reason), 0))
+        async for item in self.state.client.generate(ids, _to_msg(params, self.req.user)):
+            if item.token_ids:
+                if choice.state.token_ids:
+                    timer.tokens(len(item.token_ids))
+                else:
+                    timer.first_token(n=len(item.token_ids))
+                text = choice.push(item.token_ids, item.logprobs, item.top_logprobs)
+                await self.events.put((choice, text, len(item.token_ids)))
+                if choice.stopped:  # a stop string ended it (finish_reason is set); the finally aborts
                     return
+            if item.finish_reason is not None:
+                if item.error and item.error_code >= 400 and not choice.state.token_ids:
+                    await self.events.put((choice, ProtocolError(item.error, None, "engine_error",
+                                                                 status=item.error_code,
+                                                                 err_type="server_error" if item.error_code >= 500
+                                                                 else "invalid_request_error"), 0))
+                    return
+                choice.state.completion_tokens = item.completion_tokens
+                await self.events.put((choice, choice.finish(item.finish_reason), 0))
+                return
 
     async def _events(self):
         """Yield (choice, text or error, new tokens) until every choice finished."""
