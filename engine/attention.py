@@ -13,7 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import attention_decode
 from .config import ModelConfig
+from .decode_batch import DecodeBatch
 from .layers import apply_rope, head_rms_norm, rms_norm
 from .seq_state import CompressorState, LayerState, SequenceState
 
@@ -150,8 +152,10 @@ class Attention(nn.Module):
         self.compressor = Compressor(cfg.hidden_size, hd, ratio, kind == "csa", cfg.rms_norm_eps) if ratio else None
         self.indexer = Indexer(cfg, ratio) if kind == "csa" else None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: StepRope, seqs: list[SeqSlice],
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: StepRope, ctx: list[SeqSlice] | DecodeBatch,
                 layer: int) -> torch.Tensor:
+        """x: [T, D] → [T, D]. `ctx` is either the step's sequences (any mix of prefill chunks
+        and decodes) or a static-shape `DecodeBatch` (decode/verify; CUDA-graph capturable)."""
         cfg = self.cfg
         eps = cfg.rms_norm_eps
         cos, sin = rope.main if self.kind == "swa" else rope.compress
@@ -160,13 +164,26 @@ class Attention(nn.Module):
         q = apply_rope(head_rms_norm(q, eps), cos, sin)  # [T, H, hd]
         kv = apply_rope(rms_norm(F.linear(x, self.wkv), self.kv_norm, eps), cos, sin)  # [T, hd]
         comp_rows = self.compressor.project(x, positions) if self.compressor is not None else None
-        if self.indexer is not None:
-            idx_rows = self.indexer.compressor.project(x, positions)
-            # Index queries matter only once some sequence has more entries than top-k.
-            idx_q = idx_w = None
-            if max((s.start + s.length) // self.ratio for s in seqs) > self.indexer.topk:
-                idx_q, idx_w = self.indexer.queries(q_res, x, cos, sin)
-        out = torch.empty(x.shape[0], cfg.num_heads, cfg.head_dim, dtype=torch.float32, device=x.device)
+        idx_rows = self.indexer.compressor.project(x, positions) if self.indexer is not None else None
+        if isinstance(ctx, DecodeBatch):
+            out = attention_decode.attend(self, q, kv, x, q_res, cos, sin, comp_rows, idx_rows,
+                                          rope.compress_table, ctx, layer)
+        else:
+            out = self._attend_sequences(q, kv, x, q_res, cos, sin, comp_rows, idx_rows, rope, ctx, layer)
+        out = apply_rope(out.to(x.dtype), cos, sin, inverse=True)  # undo V's rotation
+        grouped = out.view(x.shape[0], cfg.o_groups, -1)  # [T, G, H·hd/G]
+        wo_a = self.wo_a.view(cfg.o_groups, cfg.o_lora_rank, -1)
+        low = torch.einsum("tgi,goi->tgo", grouped, wo_a).flatten(1)  # [T, G·o_lora]
+        return F.linear(low, self.wo_b)
+
+    def _attend_sequences(self, q, kv, x, q_res, cos, sin, comp_rows, idx_rows, rope: StepRope,
+                          seqs: list[SeqSlice], layer: int) -> torch.Tensor:
+        """The per-sequence path: each sequence reads and writes its own state. Returns [T, H, hd] fp32."""
+        idx_q = idx_w = None
+        # Index queries matter only once some sequence has more entries than top-k.
+        if self.indexer is not None and max((s.start + s.length) // self.ratio for s in seqs) > self.indexer.topk:
+            idx_q, idx_w = self.indexer.queries(q_res, x, cos, sin)
+        out = torch.empty(x.shape[0], self.cfg.num_heads, self.cfg.head_dim, dtype=torch.float32, device=x.device)
         for s in seqs:
             st: LayerState = s.state.layers[layer]
             sl = slice(s.begin, s.end)
@@ -183,11 +200,7 @@ class Attention(nn.Module):
                     if idx_q is not None:
                         mask = self.indexer.select(idx_q[sl], idx_w[sl], keys, mask)
             out[sl] = self._attend(q[sl].float(), kv[sl], st, s.start, entries, mask)
-        out = apply_rope(out.to(x.dtype), cos, sin, inverse=True)  # undo V's rotation
-        grouped = out.view(x.shape[0], cfg.o_groups, -1)  # [T, G, H·hd/G]
-        wo_a = self.wo_a.view(cfg.o_groups, cfg.o_lora_rank, -1)
-        low = torch.einsum("tgi,goi->tgo", grouped, wo_a).flatten(1)  # [T, G·o_lora]
-        return F.linear(low, self.wo_b)
+        return out
 
     def _attend(self, q: torch.Tensor, kv_new: torch.Tensor, st: LayerState, start: int,
                 entries: torch.Tensor | None, entry_mask: torch.Tensor | None) -> torch.Tensor:

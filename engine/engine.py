@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
+from .cuda_graphs import DecodeGraphs
 from .kv_cache import KVCache
 from .model import DeepseekV4
 from .model_runner import ModelRunner
@@ -38,6 +39,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # overrides the memory budget for the growable (full) pools
     block_size: int = 256
     cuda_graph_sizes: tuple[int, ...] = ()
+    # Static-shape decode/verify steps (captured as CUDA graphs on GPU). None = the device's
+    # default: on for CUDA, off on CPU (see `static_decode_default`).
+    static_decode: bool | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -98,7 +102,13 @@ class Engine:
         sched_cfg = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_len,
                                     config.speculative_tokens)
         self.scheduler = Scheduler(sched_cfg, self.cache, model.cfg.eos_token_ids)
-        self.runner = ModelRunner(model, self.cache, config.speculative_tokens)
+        self.graphs = None
+        if config.static_decode if config.static_decode is not None else static_decode_default(model.device):
+            k = config.speculative_tokens
+            self.graphs = DecodeGraphs(model, self.cache, config.cuda_graph_sizes, (1, 1 + k) if k else (1,), max_len,
+                                       capture=model.device.type == "cuda")
+            self.graphs.capture_all()
+        self.runner = ModelRunner(model, self.cache, config.speculative_tokens, self.graphs)
         self.stats = EngineStats(spec_accepted_per_position=[0] * config.speculative_tokens)
         self._pending_aborts: list[str] = []
 
@@ -165,6 +175,13 @@ class Engine:
                            num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens)
         req.num_emitted += len(new)
         return delta
+
+
+def static_decode_default(device: torch.device) -> bool:
+    """CUDA: on (graph replay removes the per-kernel launch cost that dominates decode). CPU: off;
+    with no launch cost to save, the per-sequence path reads only the entries each sequence
+    has instead of a padded context bucket (`perf/bench_cuda_graphs.py` measures both)."""
+    return device.type == "cuda"
 
 
 def default_dtype(config: EngineConfig, device: str) -> torch.dtype:

@@ -53,6 +53,22 @@ class Pool:
             kernels.quantize_scatter(rows.contiguous(), t, slots, self.spec.fmt)
 
 
+class PoolRef:
+    """One layer's tensor of a pool, addressed by slot tensors of any shape (the static-shape
+    decode path's access; `PagedRows`/`PagedEntries` are the per-sequence one)."""
+
+    def __init__(self, pool: Pool, layer: int, dtype: torch.dtype):
+        self.pool, self.layer, self.dtype = pool, layer, dtype
+
+    def read(self, slots: torch.Tensor) -> torch.Tensor:
+        """slots [...] → rows [..., width] in `dtype`."""
+        return self.pool.read(self.layer, slots.reshape(-1), self.dtype).view(*slots.shape, -1)
+
+    def write(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """rows [..., width] to slots [...] (duplicate slots only ever target the dummy block)."""
+        self.pool.write(self.layer, slots.reshape(-1), rows.reshape(slots.numel(), -1))
+
+
 class _Slots:
     """Position → slot arithmetic for one sequence's block table."""
 
@@ -189,6 +205,17 @@ class KVCache:
             indexer = _CompressorView(PagedRows(rows, src(rows.spec.name), slots, torch.float32),
                                       PagedEntries(keys, src(keys.spec.name), slots, dt))
         return _LayerView(window, compressor, indexer)
+
+    def layer_pools(self, layer: int) -> dict[str, PoolRef]:
+        """The pools `layer` reads and writes: 'window', and for compressed layers 'comp_rows' /
+        'comp_entries', and for CSA layers 'index_rows' / 'index_keys'."""
+        view = self._layer_view(layer, None)
+        refs = {"window": view.window}
+        if view.compressor is not None:
+            refs.update(comp_rows=view.compressor.rows, comp_entries=view.compressor.entries)
+        if view.indexer is not None:
+            refs.update(index_rows=view.indexer.rows, index_keys=view.indexer.entries)
+        return {name: PoolRef(r.pool, r.layer, r.dtype) for name, r in refs.items()}
 
     def new_sequence(self) -> PagedSequence:
         """State of the main model's layers."""

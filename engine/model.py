@@ -13,6 +13,7 @@ from torch import nn
 
 from .attention import Attention, SeqSlice, StepRope
 from .config import ModelConfig
+from .decode_batch import DecodeBatch
 from .layers import RotaryTable, hc_collapse, hc_expand, hc_head_collapse, hc_mix_weights, rms_norm
 from .moe import MoE
 from .seq_state import SequenceState
@@ -45,12 +46,12 @@ class Block(nn.Module):
         self.ffn = MoE(cfg, hash_routing)
 
     def forward(self, streams: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor, rope: StepRope,
-                seqs: list[SeqSlice], layer: int) -> torch.Tensor:
+                ctx: list[SeqSlice] | DecodeBatch, layer: int) -> torch.Tensor:
         """streams: [T, n, D] → [T, n, D]."""
         eps = self.cfg.rms_norm_eps
         pre, post, comb = self.hc_attn.weights(streams, self.cfg)
         x = rms_norm(hc_collapse(streams, pre), self.attn_norm, eps)
-        streams = hc_expand(streams, self.attn(x, positions, rope, seqs, layer), post, comb)
+        streams = hc_expand(streams, self.attn(x, positions, rope, ctx, layer), post, comb)
         pre, post, comb = self.hc_ffn.weights(streams, self.cfg)
         x = rms_norm(hc_collapse(streams, pre), self.ffn_norm, eps)
         return hc_expand(streams, self.ffn(x, token_ids), post, comb)
@@ -100,19 +101,22 @@ class DeepseekV4(nn.Module):
         return StepRope(self.rope_main(positions), self.rope_compress(positions), self.rope_compress)
 
     # ---- forward ---------------------------------------------------------------------------
-    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, seqs: list[SeqSlice]) -> torch.Tensor:
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor,
+                ctx: list[SeqSlice] | DecodeBatch) -> torch.Tensor:
         """token_ids, positions: [T]. Returns the final residual streams [T, n, D] (pre hc-head).
 
-        Each SeqSlice's `start` must equal its state's `num_tokens` (or rewind into its slack);
-        afterwards every state holds start + length tokens.
+        With a list of SeqSlices, each `start` must equal its state's `num_tokens` (or rewind
+        into its slack); afterwards every state holds start + length tokens. A `DecodeBatch`
+        touches no host state (the caller keeps the sequences' counters), so it can be captured.
         """
+        seqs = ctx if isinstance(ctx, list) else []
         for s in seqs:
             if s.start != s.state.num_tokens:
                 s.state.rewind(s.start)
         rope = self.step_rope(positions)
         streams = self.embed[token_ids].unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         for i, block in enumerate(self.layers):
-            streams = block(streams, token_ids, positions, rope, seqs, i)
+            streams = block(streams, token_ids, positions, rope, ctx, i)
         for s in seqs:
             s.state.num_tokens = s.start + s.length
         return streams

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .attention import SeqSlice
+from .cuda_graphs import DecodeGraphs, DecodeRow
 from .kv_cache import KVCache
 from .model import DeepseekV4
 from .request import Request
@@ -26,45 +27,85 @@ class _Pending:
     """A request that samples this step, with its rows in the flattened batch."""
 
     sched: ScheduledRequest
-    logit_rows: slice  # its rows in the logits tensor
+    logit_rows: slice  # its rows in the logits tensor (first: in the step's flattened batch)
 
 
 class ModelRunner:
-    def __init__(self, model: DeepseekV4, cache: KVCache, num_speculative_tokens: int = 0):
+    def __init__(self, model: DeepseekV4, cache: KVCache, num_speculative_tokens: int = 0,
+                 graphs: DecodeGraphs | None = None):
         if num_speculative_tokens and not len(model.mtp):
             raise ValueError("--speculative-tokens needs a checkpoint with MTP weights (num_nextn_predict_layers ≥ 1)")
         self.model, self.cache, self.k = model, cache, num_speculative_tokens
+        self.graphs = graphs  # the static-shape decode/verify path; None = always per-sequence
         self.device = model.device
         # Test hook replacing MTP drafts (e.g. to force wrong ones): f(request, accepted_now, drafts) -> drafts.
         self.draft_override = None
 
     @torch.inference_mode()
     def execute(self, batch: Batch) -> dict[str, RequestStepOutput]:
-        tokens, positions, seqs, pending, rows = [], [], [], [], []
-        begin = 0
+        step_tokens = [self._step_tokens(s) for s in batch.scheduled]
+        streams, logits = self._decode_static(batch, step_tokens)
+        pending, begin = [], 0
         for s in batch.scheduled:
-            req = s.request
-            end, known = s.start + s.num_tokens, len(req.token_ids)
-            tokens.extend(req.token_ids[s.start : end])
-            if end > known:  # verification: the trailing drafts
-                tokens.extend(req.draft_token_ids[max(0, s.start - known) : end - known])
-            positions.extend(range(s.start, end))
-            seqs.append(SeqSlice(req.seq, s.start, begin, s.num_tokens))
-            if s.reaches_end:
+            if s.reaches_end:  # its last (1 + drafts) rows need logits
                 first = begin + s.num_tokens - 1 - s.num_draft
-                pending.append(_Pending(s, slice(len(rows), len(rows) + 1 + s.num_draft)))
-                rows.extend(range(first, begin + s.num_tokens))
+                pending.append(_Pending(s, slice(first, begin + s.num_tokens)))
             begin += s.num_tokens
-        token_t = torch.tensor(tokens, device=self.device)
-        pos_t = torch.tensor(positions, device=self.device)
-        streams = self.model(token_t, pos_t, seqs)
+        if streams is None:  # the per-sequence path: any mix of prefill chunks and decodes
+            streams = self._forward_sequences(batch, step_tokens)
+            rows = [r for p in pending for r in range(p.logit_rows.start, p.logit_rows.stop)]
+            logits = self.model.logits(streams[rows]) if pending else None
+            offset = 0
+            for p in pending:  # rows of `logits` are the pending rows, packed
+                n = p.logit_rows.stop - p.logit_rows.start
+                p.logit_rows, offset = slice(offset, offset + n), offset + n
         outputs: dict[str, RequestStepOutput] = {}
         if pending:
-            logits = self.model.logits(streams[rows])
             outputs = self._sample(pending, logits)
         if self.k:
             self._run_mtp(batch, streams, outputs)
         return outputs
+
+    @staticmethod
+    def _step_tokens(s: ScheduledRequest) -> list[int]:
+        """Token ids at positions [start, start + num_tokens): known tokens, then trailing drafts."""
+        req = s.request
+        end, known = s.start + s.num_tokens, len(req.token_ids)
+        tokens = req.token_ids[s.start : end]
+        if end > known:  # verification
+            tokens = tokens + req.draft_token_ids[max(0, s.start - known) : end - known]
+        return tokens
+
+    def _forward_sequences(self, batch: Batch, step_tokens: list[list[int]]) -> torch.Tensor:
+        tokens, positions, seqs, begin = [], [], [], 0
+        for s, ids in zip(batch.scheduled, step_tokens):
+            tokens.extend(ids)
+            positions.extend(range(s.start, s.start + s.num_tokens))
+            seqs.append(SeqSlice(s.request.seq, s.start, begin, s.num_tokens))
+            begin += s.num_tokens
+        return self.model(torch.tensor(tokens, device=self.device), torch.tensor(positions, device=self.device), seqs)
+
+    def _decode_static(self, batch: Batch, step_tokens: list[list[int]]):
+        """(streams, logits) from the static-shape decode path (a CUDA graph replay on GPU), or
+        (None, None) when the step is not a uniform decode/verify step that a shape holds."""
+        if self.graphs is None:
+            return None, None
+        q = batch.scheduled[0].num_tokens
+        if any(not s.reaches_end or s.num_tokens != q or s.num_draft != q - 1 for s in batch.scheduled):
+            return None, None
+        key = self.graphs.shape_for(len(batch.scheduled), q, max(s.start for s in batch.scheduled) + q)
+        if key is None:
+            return None, None
+        rows = []
+        for s, ids in zip(batch.scheduled, step_tokens):
+            seq = s.request.seq
+            if s.start != seq.num_tokens:
+                seq.rewind(s.start)  # rejected drafts of the previous step
+            rows.append(DecodeRow(seq, s.start, ids))
+        streams, logits = self.graphs.run(key, rows)
+        for s in batch.scheduled:
+            s.request.seq.num_tokens = s.start + q
+        return streams, logits
 
     # ---- sampling and verification ----------------------------------------------------------
     def _sample(self, pending: list[_Pending], logits: torch.Tensor) -> dict[str, RequestStepOutput]:

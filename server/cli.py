@@ -69,6 +69,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: min(model, 32768))")
     p.add_argument("--speculative-tokens", type=int, default=None,
                    help="MTP draft tokens per step, 0 disables (mode default: 3 single-user, 0 throughput)")
+    p.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
+                   help="batch sizes captured as decode/verify CUDA graphs (mode default: 1 2 4 single-user, "
+                        "1 2 4 … 64 throughput)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="never capture CUDA graphs: every step runs the per-sequence eager path")
     p.add_argument("--kv-cache-memory", type=float, default=2.0, help="GiB for the KV pools")
     p.add_argument("--block-size", type=int, default=256, help="tokens per KV block")
     p.add_argument("--dp", type=int, default=1,
@@ -81,6 +86,8 @@ def engine_config_from(args: argparse.Namespace):
     return EngineConfig(mode=args.mode, dtype=args.dtype, kv_dtype=args.kv_dtype, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                         speculative_tokens=args.speculative_tokens,
+                        cuda_graph_sizes=tuple(args.cuda_graph_sizes or ()),
+                        static_decode=False if args.enforce_eager else None,
                         kv_cache_memory_bytes=int(args.kv_cache_memory * 2**30), block_size=args.block_size)
 
 

@@ -1,0 +1,151 @@
+"""Decode and verify steps replayed from CUDA graphs.
+
+A shape is (batch size B, tokens per sequence q, context bucket C): B from `--cuda-graph-sizes`,
+q = 1 (decode) and 1 + k (verify with k drafts), C a power-of-4 ladder of block multiples up to
+the model length (the entry axis of the compressed attention is C / ratio long, so short
+contexts do not pay for long ones). A live batch of n ≤ B sequences replays the smallest shape
+that fits; its rows past n are padding that touch only the dummy block. Batches larger than
+the largest size, mixed prefill/decode steps and non-uniform q run eagerly instead.
+
+On a GPU every shape is captured at start-up (largest first, one shared memory pool), after
+two eager warm-up runs on a side stream so that lazy initialisation (kernel compilation,
+cuBLAS workspaces) happens outside capture. Elsewhere the same static-shape forward runs
+eagerly, which is how CPU tests check it against the per-sequence path.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from .decode_batch import DecodeBatch
+from .kv_cache import KVCache, PagedSequence
+from .model import DeepseekV4
+
+logger = logging.getLogger(__name__)
+
+
+def context_buckets(block_size: int, max_model_len: int) -> list[int]:
+    """Context capacities (block multiples) ×4 apart from 4 blocks up to the model length."""
+    top = -(-max_model_len // block_size) * block_size
+    buckets, c = [], 4 * block_size
+    while c < top:
+        buckets.append(c)
+        c *= 4
+    return buckets + [top]
+
+
+@dataclass
+class _Shape:
+    batch: DecodeBatch
+    graph: "torch.cuda.CUDAGraph | None" = None
+    streams: torch.Tensor | None = None  # [B·q, n, D] outputs of the last run (static under a graph)
+    logits: torch.Tensor | None = None  # [B·q, vocab] fp32
+
+
+@dataclass
+class DecodeRow:
+    """One live sequence of a decode/verify step."""
+
+    seq: PagedSequence
+    start: int
+    token_ids: list[int]  # q tokens at positions [start, start + q)
+
+
+class DecodeGraphs:
+    def __init__(self, model: DeepseekV4, cache: KVCache, batch_sizes: tuple[int, ...],
+                 tokens_per_seq: tuple[int, ...], max_model_len: int, capture: bool):
+        if not batch_sizes or min(batch_sizes) < 1:
+            raise ValueError(f"--cuda-graph-sizes must be positive batch sizes, got {list(batch_sizes)}")
+        self.model, self.cache = model, cache
+        self.batch_sizes = sorted(set(batch_sizes))
+        self.tokens_per_seq = sorted(set(tokens_per_seq))
+        b = cache.layout.block_size
+        self.buckets = context_buckets(b, max_model_len)
+        # Sliding blocks a table can hold at a step: the kept window plus the step, across block edges.
+        self.sliding_blocks = -(-(cache.manager.keep + 2 * max(self.tokens_per_seq)) // b) + 2
+        self.capture = capture and cache.device != "cpu" and torch.device(cache.device).type == "cuda"
+        self._shapes: dict[tuple[int, int, int], _Shape] = {}
+        self._pool = None
+        self.num_runs = 0  # static-shape steps run
+        self.num_replays = 0  # of which replayed from a captured graph
+
+    # ---- shape choice ------------------------------------------------------------------------
+    def shape_for(self, num_seqs: int, q: int, max_end: int) -> tuple[int, int, int] | None:
+        """The smallest (B, q, C) holding `num_seqs` sequences reaching position `max_end`, or None."""
+        if q not in self.tokens_per_seq:
+            return None
+        size = next((s for s in self.batch_sizes if s >= num_seqs), None)
+        bucket = next((c for c in self.buckets if c >= max_end), None)
+        if size is None or bucket is None:
+            return None
+        return size, q, bucket
+
+    def _get(self, key: tuple[int, int, int]) -> _Shape:
+        shape = self._shapes.get(key)
+        if shape is None:
+            size, q, bucket = key
+            batch = DecodeBatch.allocate(self.cache, size, q, bucket // self.cache.layout.block_size,
+                                         self.sliding_blocks)
+            shape = self._shapes[key] = _Shape(batch)
+            if self.capture:
+                self._capture(shape)
+        return shape
+
+    # ---- running -----------------------------------------------------------------------------
+    def run(self, key: tuple[int, int, int], rows: list[DecodeRow]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Streams [n·q, hc, D] and logits [n·q, vocab] of the live rows (views of static
+        outputs: consume them before the next run)."""
+        shape = self._get(key)
+        batch = shape.batch
+        batch.fill([self._row(r, batch) for r in rows])
+        self.num_runs += 1
+        if shape.graph is not None:
+            shape.graph.replay()
+            self.num_replays += 1
+        else:
+            shape.streams, shape.logits = self._forward(batch)
+        n = len(rows) * key[1]
+        return shape.streams[:n], shape.logits[:n]
+
+    def _row(self, row: DecodeRow, batch: DecodeBatch):
+        """The part of a sequence's tables this step reads: full blocks from 0 up to the shape's
+        context, sliding blocks from the one holding position start − keep (what the block
+        manager keeps readable) on. Tables may hold more (blocks allocated for drafts)."""
+        table, b = row.seq.table, self.cache.layout.block_size
+        first = max(table.sliding_first, max(0, row.start - self.cache.manager.keep) // b)
+        skip = first - table.sliding_first
+        sliding = table.sliding[skip : skip + batch.sliding_table.shape[1]]
+        return row.token_ids, row.start, table.full[: batch.full_table.shape[1]], sliding, first
+
+    def _forward(self, batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        streams = self.model(batch.token_ids, batch.positions, batch)
+        return streams, self.model.logits(streams)
+
+    # ---- capture (CUDA only) -----------------------------------------------------------------
+    def capture_all(self) -> int:
+        """Capture every shape, largest first so smaller graphs reuse the shared pool."""
+        if not self.capture:
+            return 0
+        keys = [(s, q, c) for c in self.buckets for q in self.tokens_per_seq for s in self.batch_sizes]
+        for key in sorted(keys, reverse=True):
+            self._get(key)
+        logger.info("captured %d CUDA graphs (sizes %s, q %s, contexts %s)", len(keys), self.batch_sizes,
+                    self.tokens_per_seq, self.buckets)
+        return len(keys)
+
+    def _capture(self, shape: _Shape) -> None:
+        # All-padding buffers: warm-up and capture write only the dummy block.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._forward(shape.batch)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            shape.streams, shape.logits = self._forward(shape.batch)
+        self._pool = graph.pool()
+        shape.graph = graph

@@ -1,0 +1,129 @@
+"""The static-shape decode/verify path (what CUDA graphs capture) against the per-sequence path.
+
+On CPU the static forward runs eagerly through the same `DecodeGraphs` object that captures it
+on a GPU; these tests pin its maths, its padding and its shape choice. The GPU capture itself
+is tested in tests/engine/test_cuda_graphs_gpu.py.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.cuda_graphs import DecodeGraphs, DecodeRow, context_buckets
+from engine.engine import Engine, EngineConfig
+from engine.kv_cache import KVCache
+from engine.sampling import SamplingParams
+from engine.weights import load_model
+
+GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+QUANTIZABLE = dict(head_dim=128, qk_rope_head_dim=64, index_head_dim=64, index_topk=3)
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint_factory):
+    # index_topk 2 < entries: the indexer's top-k runs on the static entry axis too.
+    return load_model(checkpoint_factory("tiny-topk2", index_topk=2), dtype=torch.float32, progress=False)
+
+
+def _prompts(n: int, seed: int = 0, max_len: int = 50) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [torch.randint(2, 500, (rng.randint(1, max_len),), generator=torch.Generator().manual_seed(seed + i)).tolist()
+            for i in range(n)]
+
+
+def _run(model, prompts, static: bool, params=GREEDY, seed: int = 3, **kw) -> tuple[dict[str, list[int]], Engine]:
+    """Requests arrive at random steps (so decode batches change size); id → output tokens."""
+    args = dict(max_num_seqs=8, max_num_batched_tokens=40, kv_cache_memory_bytes=4 << 20, block_size=16,
+                cuda_graph_sizes=(1, 2, 4), static_decode=static, max_model_len=512)
+    args.update(kw)
+    engine = Engine(model, EngineConfig(**args))
+    rng = random.Random(seed)
+    out: dict[str, list[int]] = {}
+    pending = list(enumerate(prompts))
+    while pending or engine.has_work:
+        while pending and (rng.random() < 0.3 or not engine.has_work):
+            i, p = pending.pop(0)
+            engine.add_request(str(i), p, params)
+        for d in engine.step():
+            out.setdefault(d.request_id, []).extend(d.token_ids)
+    assert engine.cache.manager.full.num_used == 0 and engine.cache.manager.sliding.num_used == 0
+    return out, engine
+
+
+def test_static_decode_equals_the_per_sequence_path(model):
+    """Mixed lengths crossing the window (8) and compress boundaries (4, 8); up to 8 running
+    sequences, so batches of 5–8 fall back to eager and batches of 1–4 run static (padded)."""
+    prompts = _prompts(16, max_len=90)  # up to 6 blocks of 16: sliding tables longer than a step reads
+    eager, _ = _run(model, prompts, static=False)
+    static, engine = _run(model, prompts, static=True)
+    assert static == eager
+    assert 10 < engine.graphs.num_runs < engine.stats.steps  # both paths really ran
+
+
+def test_static_verify_is_lossless(model):
+    """q = 4 verify steps (3 MTP drafts) through the static path equal greedy without speculation."""
+    prompts = _prompts(6, seed=7)
+    plain, _ = _run(model, prompts, static=False)
+    spec, engine = _run(model, prompts, static=True, speculative_tokens=3, max_num_seqs=4)
+    assert spec == plain
+    assert engine.graphs.num_runs > 20
+    assert engine.stats.spec_drafts > 0
+
+
+def test_static_decode_under_fp8_kv(checkpoint_factory):
+    model = load_model(checkpoint_factory("tiny-q", **QUANTIZABLE), dtype=torch.float32, progress=False)
+    prompts = _prompts(6, seed=11)
+    eager, _ = _run(model, prompts, static=False, kv_dtype="fp8")
+    static, engine = _run(model, prompts, static=True, kv_dtype="fp8")
+    assert static == eager and engine.graphs.num_runs > 0
+
+
+@torch.inference_mode()
+def test_padding_rows_touch_only_the_dummy_block(model):
+    """Every block no live sequence owns is filled with NaN: a padding row (or a masked read)
+    that touched one would make the logits NaN, and a stray write would overwrite the NaN."""
+    cache = KVCache.for_model(model, "auto", max_num_seqs=4, num_full_blocks=32, block_size=16)
+    graphs = DecodeGraphs(model, cache, (4,), (1,), 256, capture=False)
+    prompt = _prompts(1, seed=5, max_len=40)[0] + [7] * 30  # > window and several compressed entries
+    seq = cache.new_sequence()
+    assert cache.allocate(seq, 0, len(prompt) + 1)
+    from engine.attention import SeqSlice
+
+    model(torch.tensor(prompt), torch.arange(len(prompt)), [SeqSlice(seq, 0, 0, len(prompt))])
+    owned = {"full": set(seq.table.full), "sliding": set(seq.table.sliding)}
+    snapshots = {}
+    for name, pool in cache.pools.items():
+        free = [b for b in range(1, pool.tensors[next(iter(pool.tensors))].shape[0]) if b not in owned[pool.spec.group]]
+        for layer, t in pool.tensors.items():
+            t[free] = float("nan")
+            snapshots[(name, layer)] = (free, t[free].clone())
+    # The same history in a second cache, read by the per-sequence path.
+    ref_cache = KVCache.for_model(model, "auto", max_num_seqs=4, num_full_blocks=32, block_size=16)
+    ref = ref_cache.new_sequence()
+    assert ref_cache.allocate(ref, 0, len(prompt) + 1)
+    model(torch.tensor(prompt), torch.arange(len(prompt)), [SeqSlice(ref, 0, 0, len(prompt))])
+    expected = model.logits(model(torch.tensor([9]), torch.tensor([len(prompt)]), [SeqSlice(ref, len(prompt), 0, 1)]))
+    _, logits = graphs.run(graphs.shape_for(1, 1, len(prompt) + 1), [DecodeRow(seq, len(prompt), [9])])
+    assert torch.isfinite(logits).all()
+    assert (logits - expected).abs().max().item() < 1e-4
+    for (name, layer), (free, before) in snapshots.items():
+        after = cache.pools[name].tensors[layer][free]
+        assert torch.isnan(after).all() and torch.isnan(before).all(), f"pool {name} layer {layer}: a free block was written"
+
+
+def test_shape_choice(model):
+    cache = KVCache.for_model(model, "auto", max_num_seqs=8, num_full_blocks=32, block_size=16)
+    graphs = DecodeGraphs(model, cache, (8, 1, 2, 4), (1, 4), 1000, capture=False)
+    assert graphs.buckets == [64, 256, 1008]
+    assert graphs.shape_for(3, 1, 10) == (4, 1, 64)  # smallest size and context that hold the batch
+    assert graphs.shape_for(1, 4, 65) == (1, 4, 256)
+    assert graphs.shape_for(8, 1, 1008) == (8, 1, 1008)
+    assert graphs.shape_for(9, 1, 10) is None  # above the largest size: eager
+    assert graphs.shape_for(2, 2, 10) is None  # q not captured: eager
+    assert graphs.shape_for(2, 1, 1009) is None
+    assert context_buckets(256, 32768) == [1024, 4096, 16384, 32768]
+    with pytest.raises(ValueError, match="cuda-graph-sizes"):
+        DecodeGraphs(model, cache, (0,), (1,), 1000, capture=False)
