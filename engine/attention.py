@@ -23,7 +23,7 @@ from .seq_state import CompressorState, LayerState, SequenceState
 QUERY_BLOCK = 256
 
 
-@dataclass
+@dataclass(slots=True)
 class SeqSlice:
     """One sequence's share of a step: tokens [begin, begin+length) of the flattened batch,
     at absolute positions [start, start+length)."""

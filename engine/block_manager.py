@@ -115,6 +115,10 @@ class BlockManager:
     def allocate(self, table: BlockTable, start: int, end: int) -> bool:
         """Make positions [start, end) writable (and the trailing window before `start` still
         readable). Returns False, changing nothing, if the blocks are not available."""
+        b = self.block_size
+        if (table.sliding and end <= len(table.full) * b and end <= (table.sliding_first + len(table.sliding)) * b
+                and max(0, start - self.keep) // b <= table.sliding_first):
+            return True  # most decode steps: every block is there and none slides out of the window
         new_full, lo, release, add = self._needs(table, start, end)
         if new_full == 0 and release == 0 and add == 0:
             return True

@@ -45,7 +45,7 @@ class _Shape:
     logits: torch.Tensor | None = None  # [B·q, vocab] fp32
 
 
-@dataclass
+@dataclass(slots=True)
 class DecodeRow:
     """One live sequence of a decode/verify step."""
 
@@ -66,7 +66,7 @@ class DecodeGraphs:
         self.buckets = context_buckets(b, max_model_len)
         # Sliding blocks a table can hold at a step: the kept window plus the step, across block edges.
         self.sliding_blocks = -(-(cache.manager.keep + 2 * max(self.tokens_per_seq)) // b) + 2
-        self.capture = capture and cache.device != "cpu" and torch.device(cache.device).type == "cuda"
+        self.capture = capture and torch.device(cache.device).type == "cuda"
         self._shapes: dict[tuple[int, int, int], _Shape] = {}
         self._pool = None
         self.num_runs = 0  # static-shape steps run

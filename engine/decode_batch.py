@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .kv_cache import KVCache
@@ -78,26 +79,23 @@ class DecodeBatch:
     def fill(self, rows: list[tuple[list[int], int, list[int], list[int], int]]) -> None:
         """Copy a live batch into the buffers; rows past len(rows) become padding.
 
-        rows: per sequence (token ids [q], start, full block ids, sliding block ids, sliding_first).
-        Writes go through one host tensor per buffer so a replay sees a consistent batch.
+        rows: per sequence (token ids [q], start, full block ids ≤ F, sliding block ids ≤ S,
+        sliding_first). Built in host arrays first: one copy per buffer, no per-row tensors.
         """
         q, nseq = self.tokens_per_seq, self.num_seqs
-        F, S = self.full_table.shape[1], self.sliding_table.shape[1]
-        tokens = torch.zeros(nseq * q, dtype=torch.long)
-        start = torch.zeros(nseq, dtype=torch.long)
-        full = torch.zeros(nseq, F, dtype=torch.long)
-        sliding = torch.zeros(nseq, S, dtype=torch.long)
-        first = torch.zeros(nseq, dtype=torch.long)
-        for i, (ids, s, full_ids, sliding_ids, s_first) in enumerate(rows):
-            if len(full_ids) > F or len(sliding_ids) > S:
-                raise ValueError(f"sequence {i} needs {len(full_ids)} full / {len(sliding_ids)} sliding blocks; "
-                                 f"this shape holds {F} / {S}")
-            tokens[i * q : (i + 1) * q] = torch.tensor(ids, dtype=torch.long)
-            start[i] = s
-            full[i, : len(full_ids)] = torch.tensor(full_ids, dtype=torch.long)
-            sliding[i, : len(sliding_ids)] = torch.tensor(sliding_ids, dtype=torch.long)
-            first[i] = s_first
-        positions = (start[:, None] + torch.arange(q)).flatten()  # padding rows: 0..q-1
+        tokens = np.zeros(nseq * q, dtype=np.int64)
+        start = np.zeros(nseq, dtype=np.int64)
+        first = np.zeros(nseq, dtype=np.int64)
+        full = np.zeros(tuple(self.full_table.shape), dtype=np.int64)
+        sliding = np.zeros(tuple(self.sliding_table.shape), dtype=np.int64)
+        n = len(rows)
+        tokens[: n * q] = [t for r in rows for t in r[0]]
+        start[:n] = [r[1] for r in rows]
+        first[:n] = [r[4] for r in rows]
+        for i, (_, _, full_ids, sliding_ids, _) in enumerate(rows):
+            full[i, : len(full_ids)] = full_ids
+            sliding[i, : len(sliding_ids)] = sliding_ids
+        positions = (start[:, None] + np.arange(q)).reshape(-1)  # padding rows: 0..q-1
         for dst, src in ((self.token_ids, tokens), (self.positions, positions), (self.start, start),
                          (self.full_table, full), (self.sliding_table, sliding), (self.sliding_first, first)):
-            dst.copy_(src, non_blocking=True)
+            dst.copy_(torch.from_numpy(src), non_blocking=True)

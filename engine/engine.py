@@ -40,8 +40,9 @@ class EngineConfig:
     block_size: int = 256
     cuda_graph_sizes: tuple[int, ...] = ()
     # Static-shape decode/verify steps (captured as CUDA graphs on GPU). None = the device's
-    # default: on for CUDA, off on CPU (see `static_decode_default`).
+    # default: on for CUDA unless enforce_eager, off on CPU (see `static_decode_default`).
     static_decode: bool | None = None
+    enforce_eager: bool = False  # never capture CUDA graphs (a static path, if on, runs uncaptured)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -66,7 +67,7 @@ class EngineConfig:
         return asdict(self)
 
 
-@dataclass
+@dataclass(slots=True)
 class TokenDelta:
     """New output of one request since the last delta."""
 
@@ -103,10 +104,13 @@ class Engine:
                                     config.speculative_tokens)
         self.scheduler = Scheduler(sched_cfg, self.cache, model.cfg.eos_token_ids)
         self.graphs = None
-        if config.static_decode if config.static_decode is not None else static_decode_default(model.device):
+        static = config.static_decode
+        if static is None:
+            static = static_decode_default(model.device) and not config.enforce_eager
+        if static:
             k = config.speculative_tokens
             self.graphs = DecodeGraphs(model, self.cache, config.cuda_graph_sizes, (1, 1 + k) if k else (1,), max_len,
-                                       capture=model.device.type == "cuda")
+                                       capture=model.device.type == "cuda" and not config.enforce_eager)
             self.graphs.capture_all()
         self.runner = ModelRunner(model, self.cache, config.speculative_tokens, self.graphs)
         self.stats = EngineStats(spec_accepted_per_position=[0] * config.speculative_tokens)
@@ -143,21 +147,25 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        drafts_before = {s.request.request_id: s.num_draft for s in batch.scheduled}
         outputs = self.runner.execute(batch)
         self.scheduler.update(batch, outputs)
-        self._count_acceptance(drafts_before, outputs)
-        deltas = [self._delta(s.request) for s in batch.scheduled
-                  if s.request.num_output_tokens > s.request.num_emitted or s.request.is_finished]
+        if self.runner.k:
+            self._count_acceptance(batch, outputs)
+        deltas = []
+        for s in batch.scheduled:
+            req = s.request
+            if len(req.token_ids) > len(req.prompt_token_ids) + req.num_emitted or req.finish_reason is not None:
+                deltas.append(self._delta(req))
         self.stats.steps += 1
         self.stats.num_preemptions = self.scheduler.num_preemptions
         self.stats.max_step_s = max(self.stats.max_step_s, time.perf_counter() - t0)
         return deltas
 
-    def _count_acceptance(self, drafts: dict[str, int], outputs) -> None:
-        for rid, k in drafts.items():
-            out = outputs.get(rid)
-            if not k or out is None or out.error:
+    def _count_acceptance(self, batch, outputs) -> None:
+        for s in batch.scheduled:
+            k = s.num_draft
+            out = outputs.get(s.request.request_id) if k else None
+            if out is None or out.error:
                 continue
             self.stats.spec_drafts += 1
             self.stats.spec_draft_tokens += k
@@ -165,14 +173,15 @@ class Engine:
                 self.stats.spec_accepted_per_position[i] += 1
 
     def _delta(self, req: Request) -> TokenDelta:
-        new = req.output_token_ids[req.num_emitted:]
         lo = req.num_emitted
-        want_lp = req.params.logprobs is not None
-        delta = TokenDelta(req.request_id, new,
-                           logprobs=req.logprobs[lo : lo + len(new)] if want_lp else None,
-                           top_logprobs=req.top_logprobs[lo : lo + len(new)] if want_lp else None,
-                           finish_reason=req.finish_reason.value if req.finish_reason else None, error=req.error,
-                           num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens)
+        new = req.token_ids[len(req.prompt_token_ids) + lo :]
+        num_prompt = len(req.prompt_token_ids)
+        delta = TokenDelta(req.request_id, new, None, None,
+                           req.finish_reason.value if req.finish_reason is not None else None, req.error,
+                           num_prompt_tokens=num_prompt, num_output_tokens=len(req.token_ids) - num_prompt)
+        if req.params.logprobs is not None:
+            delta.logprobs = req.logprobs[lo : lo + len(new)]
+            delta.top_logprobs = req.top_logprobs[lo : lo + len(new)]
         req.num_emitted += len(new)
         return delta
 

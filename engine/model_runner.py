@@ -22,7 +22,7 @@ from .scheduler import Batch, RequestStepOutput, ScheduledRequest
 from .speculative import verify
 
 
-@dataclass
+@dataclass(slots=True)
 class _Pending:
     """A request that samples this step, with its rows in the flattened batch."""
 
@@ -45,12 +45,11 @@ class ModelRunner:
     def execute(self, batch: Batch) -> dict[str, RequestStepOutput]:
         step_tokens = [self._step_tokens(s) for s in batch.scheduled]
         streams, logits = self._decode_static(batch, step_tokens)
-        pending, begin = [], 0
+        pending, end = [], 0
         for s in batch.scheduled:
+            end += s.num_tokens
             if s.reaches_end:  # its last (1 + drafts) rows need logits
-                first = begin + s.num_tokens - 1 - s.num_draft
-                pending.append(_Pending(s, slice(first, begin + s.num_tokens)))
-            begin += s.num_tokens
+                pending.append(_Pending(s, slice(end - 1 - s.num_draft, end)))
         if streams is None:  # the per-sequence path: any mix of prefill chunks and decodes
             streams = self._forward_sequences(batch, step_tokens)
             rows = [r for p in pending for r in range(p.logit_rows.start, p.logit_rows.stop)]
@@ -70,8 +69,9 @@ class ModelRunner:
     def _step_tokens(s: ScheduledRequest) -> list[int]:
         """Token ids at positions [start, start + num_tokens): known tokens, then trailing drafts."""
         req = s.request
-        end, known = s.start + s.num_tokens, len(req.token_ids)
+        end = s.start + s.num_tokens
         tokens = req.token_ids[s.start : end]
+        known = len(req.token_ids)
         if end > known:  # verification
             tokens = tokens + req.draft_token_ids[max(0, s.start - known) : end - known]
         return tokens
@@ -79,10 +79,14 @@ class ModelRunner:
     def _forward_sequences(self, batch: Batch, step_tokens: list[list[int]]) -> torch.Tensor:
         tokens, positions, seqs, begin = [], [], [], 0
         for s, ids in zip(batch.scheduled, step_tokens):
-            tokens.extend(ids)
-            positions.extend(range(s.start, s.start + s.num_tokens))
-            seqs.append(SeqSlice(s.request.seq, s.start, begin, s.num_tokens))
-            begin += s.num_tokens
+            n = s.num_tokens
+            tokens += ids
+            if n == 1:
+                positions.append(s.start)
+            else:
+                positions += range(s.start, s.start + n)
+            seqs.append(SeqSlice(s.request.seq, s.start, begin, n))
+            begin += n
         return self.model(torch.tensor(tokens, device=self.device), torch.tensor(positions, device=self.device), seqs)
 
     def _decode_static(self, batch: Batch, step_tokens: list[list[int]]):
@@ -116,6 +120,8 @@ class ModelRunner:
                     and not p.sched.request.params.has_penalties for p in pending)
         if plain:  # the common decode case: one argmax over the batch, no per-row distributions
             probs, tokens = None, logits.argmax(dim=-1).tolist()
+            if not bad_rows and all(p.sched.request.params.logprobs is None for p in pending):
+                return {p.sched.request.request_id: RequestStepOutput([tokens[p.logit_rows.start]]) for p in pending}
         else:
             probs, tokens = self._distributions(pending, logits)
         outputs = {}

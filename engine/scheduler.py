@@ -33,17 +33,15 @@ class SchedulerConfig:
             raise ValueError("max_num_batched_tokens must hold one verify step (speculative tokens + 1)")
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     request: Request
     start: int  # first position computed this step
     num_tokens: int  # positions [start, start + num_tokens)
     num_draft: int  # trailing draft tokens among them (verification)
-
-    @property
-    def reaches_end(self) -> bool:
-        """Whether this step computes every known (and draft) token, so a new token is sampled."""
-        return self.start + self.num_tokens == self.request.num_tokens_with_spec
+    # Whether this step computes every known (and draft) token, so a new token is sampled.
+    # Fixed when scheduled: the update appends tokens afterwards.
+    reaches_end: bool
 
 
 @dataclass
@@ -59,7 +57,7 @@ class Batch:
         return bool(self.scheduled)
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestStepOutput:
     """What the model runner produced for one request that reached its end this step."""
 
@@ -114,13 +112,19 @@ class Scheduler:
     def schedule(self) -> Batch:
         batch = Batch()
         budget = self.config.max_num_batched_tokens
+        allocate = self.cache.manager.allocate
+        scheduled = batch.scheduled
         i = 0
+        # The hot loop of steady decode (hundreds of requests per step): kept to plain arithmetic.
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens_with_spec - req.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(req, n, batch):
+            known = len(req.token_ids)
+            total = known + len(req.draft_token_ids)
+            start = req.num_computed_tokens
+            n = min(total - start, budget)
+            if not allocate(req.seq.table, start, start + n) and not self._preempt_until_fits(req, n, batch):
                 break  # req itself was preempted; everything after it was too
-            batch.scheduled.append(self._scheduled(req, n))
+            scheduled.append(ScheduledRequest(req, start, n, max(0, start + n - known), start + n == total))
             budget -= n
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not batch.preempted:
@@ -139,10 +143,11 @@ class Scheduler:
 
     def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
         start = req.num_computed_tokens
-        num_draft = max(0, start + n - len(req.token_ids))
-        return ScheduledRequest(req, start, n, num_draft)
+        known = len(req.token_ids)
+        return ScheduledRequest(req, start, n, max(0, start + n - known), start + n == known + len(req.draft_token_ids))
 
-    def _allocate_or_preempt(self, req: Request, n: int, batch: Batch) -> bool:
+    def _preempt_until_fits(self, req: Request, n: int, batch: Batch) -> bool:
+        """Preempt the newest running requests until `req`'s next n tokens fit; False if req itself went."""
         start = req.num_computed_tokens
         while not self.cache.allocate(req.seq, start, start + n):
             victim = self.running.pop()

@@ -73,7 +73,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="batch sizes captured as decode/verify CUDA graphs (mode default: 1 2 4 single-user, "
                         "1 2 4 … 64 throughput)")
     p.add_argument("--enforce-eager", action="store_true",
-                   help="never capture CUDA graphs: every step runs the per-sequence eager path")
+                   help="never capture CUDA graphs: decode steps run the per-sequence eager path")
     p.add_argument("--kv-cache-memory", type=float, default=2.0, help="GiB for the KV pools")
     p.add_argument("--block-size", type=int, default=256, help="tokens per KV block")
     p.add_argument("--dp", type=int, default=1,
@@ -87,7 +87,7 @@ def engine_config_from(args: argparse.Namespace):
                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                         speculative_tokens=args.speculative_tokens,
                         cuda_graph_sizes=tuple(args.cuda_graph_sizes or ()),
-                        static_decode=False if args.enforce_eager else None,
+                        enforce_eager=args.enforce_eager,
                         kv_cache_memory_bytes=int(args.kv_cache_memory * 2**30), block_size=args.block_size)
 
 
