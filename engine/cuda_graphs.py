@@ -1,6 +1,8 @@
-"""Decode and verify steps replayed from CUDA graphs.
+"""Decode and verify steps, and MTP draft steps, replayed from CUDA graphs.
 
-A shape is (batch size B, tokens per sequence q, context bucket C): B from `--cuda-graph-sizes`,
+A shape is (kind, batch size B, tokens per sequence q, context bucket C): kind 'model' (the
+target model's decode/verify step) or 'mtp' (one application of the MTP layer to the previous
+draft, q = 1, window attention only); B from `--cuda-graph-sizes`,
 q = 1 (decode) and 1 + k (verify with k drafts), C a power-of-4 ladder of block multiples up to
 the model length (the entry axis of the compressed attention is C / ratio long, so short
 contexts do not pay for long ones). A live batch of n ≤ B sequences replays the smallest shape
@@ -37,9 +39,13 @@ def context_buckets(block_size: int, max_model_len: int) -> list[int]:
     return buckets + [top]
 
 
+Key = tuple[str, int, int, int]  # (kind, B, q, C)
+
+
 @dataclass
 class _Shape:
     batch: DecodeBatch
+    inputs: torch.Tensor | None = None  # 'mtp': [B, n, D] the previous draft's streams (static)
     graph: "torch.cuda.CUDAGraph | None" = None
     streams: torch.Tensor | None = None  # [B·q, n, D] outputs of the last run (static under a graph)
     logits: torch.Tensor | None = None  # [B·q, vocab] fp32
@@ -56,12 +62,13 @@ class DecodeRow:
 
 class DecodeGraphs:
     def __init__(self, model: DeepseekV4, cache: KVCache, batch_sizes: tuple[int, ...],
-                 tokens_per_seq: tuple[int, ...], max_model_len: int, capture: bool):
+                 tokens_per_seq: tuple[int, ...], max_model_len: int, capture: bool, draft_steps: bool = False):
         if not batch_sizes or min(batch_sizes) < 1:
             raise ValueError(f"--cuda-graph-sizes must be positive batch sizes, got {list(batch_sizes)}")
         self.model, self.cache = model, cache
         self.batch_sizes = sorted(set(batch_sizes))
         self.tokens_per_seq = sorted(set(tokens_per_seq))
+        self.draft_steps = draft_steps and len(model.mtp) > 0  # also the MTP layer's draft steps
         b = cache.layout.block_size
         self.buckets = context_buckets(b, max_model_len)
         # Sliding blocks a table can hold at a step: the kept window plus the step, across block edges.
@@ -73,41 +80,58 @@ class DecodeGraphs:
         self.num_replays = 0  # of which replayed from a captured graph
 
     # ---- shape choice ------------------------------------------------------------------------
-    def shape_for(self, num_seqs: int, q: int, max_end: int) -> tuple[int, int, int] | None:
-        """The smallest (B, q, C) holding `num_seqs` sequences reaching position `max_end`, or None."""
+    def shape_for(self, num_seqs: int, q: int, max_end: int) -> Key | None:
+        """The smallest target-model shape holding `num_seqs` sequences reaching position
+        `max_end`, or None (run eagerly)."""
         if q not in self.tokens_per_seq:
             return None
         size = next((s for s in self.batch_sizes if s >= num_seqs), None)
         bucket = next((c for c in self.buckets if c >= max_end), None)
         if size is None or bucket is None:
             return None
-        return size, q, bucket
+        return "model", size, q, bucket
 
-    def _get(self, key: tuple[int, int, int]) -> _Shape:
+    def mtp_shape_for(self, num_seqs: int) -> Key | None:
+        """The smallest MTP draft-step shape for `num_seqs` sequences (it reads only its window,
+        so any context fits the smallest bucket), or None."""
+        if not self.draft_steps:
+            return None
+        size = next((s for s in self.batch_sizes if s >= num_seqs), None)
+        return None if size is None else ("mtp", size, 1, self.buckets[0])
+
+    def _get(self, key: Key) -> _Shape:
         shape = self._shapes.get(key)
         if shape is None:
-            size, q, bucket = key
+            kind, size, q, bucket = key
             batch = DecodeBatch.allocate(self.cache, size, q, bucket // self.cache.layout.block_size,
                                          self.sliding_blocks)
             shape = self._shapes[key] = _Shape(batch)
+            if kind == "mtp":
+                cfg = self.model.cfg
+                shape.inputs = torch.zeros(size, cfg.hc_mult, cfg.hidden_size, dtype=self.model.dtype,
+                                           device=self.cache.device)
             if self.capture:
                 self._capture(shape)
         return shape
 
     # ---- running -----------------------------------------------------------------------------
-    def run(self, key: tuple[int, int, int], rows: list[DecodeRow]) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, key: Key, rows: list[DecodeRow], inputs: torch.Tensor | None = None,
+            ) -> tuple[torch.Tensor, torch.Tensor]:
         """Streams [n·q, hc, D] and logits [n·q, vocab] of the live rows (views of static
-        outputs: consume them before the next run)."""
+        outputs: consume them before the next run). 'mtp' shapes take the previous draft's
+        streams `inputs` [n, hc, D]; their rows' token is that draft."""
         shape = self._get(key)
         batch = shape.batch
         batch.fill([self._row(r, batch) for r in rows])
+        if shape.inputs is not None:
+            shape.inputs[: len(rows)].copy_(inputs)
         self.num_runs += 1
         if shape.graph is not None:
             shape.graph.replay()
             self.num_replays += 1
         else:
-            shape.streams, shape.logits = self._forward(batch)
-        n = len(rows) * key[1]
+            shape.streams, shape.logits = self._forward(shape)
+        n = len(rows) * batch.tokens_per_seq
         return shape.streams[:n], shape.logits[:n]
 
     def _row(self, row: DecodeRow, batch: DecodeBatch):
@@ -120,20 +144,27 @@ class DecodeGraphs:
         sliding = table.sliding[skip : skip + batch.sliding_table.shape[1]]
         return row.token_ids, row.start, table.full[: batch.full_table.shape[1]], sliding, first
 
-    def _forward(self, batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        streams = self.model(batch.token_ids, batch.positions, batch)
-        return streams, self.model.logits(streams)
+    def _forward(self, shape: _Shape) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = shape.batch
+        if shape.inputs is None:
+            streams = self.model(batch.token_ids, batch.positions, batch)
+            return streams, self.model.logits(streams)
+        mtp = self.model.mtp[0]
+        streams = mtp(self.model, shape.inputs, batch.token_ids, batch.positions, batch)
+        return streams, mtp.logits(self.model, streams)
 
     # ---- capture (CUDA only) -----------------------------------------------------------------
     def capture_all(self) -> int:
         """Capture every shape, largest first so smaller graphs reuse the shared pool."""
         if not self.capture:
             return 0
-        keys = [(s, q, c) for c in self.buckets for q in self.tokens_per_seq for s in self.batch_sizes]
-        for key in sorted(keys, reverse=True):
+        keys = [("model", s, q, c) for c in self.buckets for q in self.tokens_per_seq for s in self.batch_sizes]
+        if self.draft_steps:
+            keys += [("mtp", s, 1, self.buckets[0]) for s in self.batch_sizes]
+        for key in sorted(keys, key=lambda k: k[1:], reverse=True):
             self._get(key)
-        logger.info("captured %d CUDA graphs (sizes %s, q %s, contexts %s)", len(keys), self.batch_sizes,
-                    self.tokens_per_seq, self.buckets)
+        logger.info("captured %d CUDA graphs (sizes %s, q %s, contexts %s, MTP draft steps %s)", len(keys),
+                    self.batch_sizes, self.tokens_per_seq, self.buckets, self.draft_steps)
         return len(keys)
 
     def _capture(self, shape: _Shape) -> None:
@@ -142,10 +173,10 @@ class DecodeGraphs:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                self._forward(shape.batch)
+                self._forward(shape)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            shape.streams, shape.logits = self._forward(shape.batch)
+            shape.streams, shape.logits = self._forward(shape)
         self._pool = graph.pool()
         shape.graph = graph

@@ -110,7 +110,8 @@ class Engine:
         if static:
             k = config.speculative_tokens
             self.graphs = DecodeGraphs(model, self.cache, config.cuda_graph_sizes, (1, 1 + k) if k else (1,), max_len,
-                                       capture=model.device.type == "cuda" and not config.enforce_eager)
+                                       capture=model.device.type == "cuda" and not config.enforce_eager,
+                                       draft_steps=k > 1)
             self.graphs.capture_all()
         self.runner = ModelRunner(model, self.cache, config.speculative_tokens, self.graphs)
         self.stats = EngineStats(spec_accepted_per_position=[0] * config.speculative_tokens)

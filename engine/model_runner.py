@@ -218,18 +218,39 @@ class ModelRunner:
         params = [req.params for req, *_ in live]
         drafts = [[] for _ in live]
         probs_per_step = []
+        logits = mtp.logits(self.model, cur)
+        key = self.graphs.mtp_shape_for(len(live)) if self.graphs is not None else None
         for step in range(self.k):
-            probs = to_probs(mtp.logits(self.model, cur), params)
+            probs = to_probs(logits, params)
             tok = sample(probs, [req.generator for req, *_ in live])
             probs_per_step.append(probs)
-            for j, t in enumerate(tok.tolist()):
+            tok_list = tok.tolist()
+            for j, t in enumerate(tok_list):
                 drafts[j].append(t)
             if step + 1 == self.k:
                 break
+            if key is not None:  # the draft step from a CUDA graph (static shape)
+                cur, logits = self._draft_step_static(key, live, step, tok_list, cur)
+                continue
             pos = torch.tensor([ce + step for *_, ce in live], device=self.device)
             seqs = [SeqSlice(req.mtp_seq, ce + step, j, 1) for j, (req, _, _, ce) in enumerate(live)]
             cur = mtp(self.model, cur, tok, pos, seqs)
+            logits = mtp.logits(self.model, cur)
         stacked = torch.stack(probs_per_step, dim=1)  # [R, k, V]
         for j, (req, out, _, _) in enumerate(live):
             out.drafts = drafts[j] if self.draft_override is None else self.draft_override(req, out.accepted, drafts[j])
             req.draft_probs = None if (req.params.greedy or self.draft_override) else stacked[j]
+
+    def _draft_step_static(self, key, live, step: int, tokens: list[int], cur: torch.Tensor):
+        """One MTP application to every live request's previous draft at position
+        committed_end + step, on the static path; keeps the MTP states' counters."""
+        rows = []
+        for (req, _, _, committed_end), token in zip(live, tokens):
+            pos = committed_end + step
+            if req.mtp_seq.num_tokens != pos:
+                req.mtp_seq.rewind(pos)
+            rows.append(DecodeRow(req.seq, pos, [token]))  # the MTP state shares the main block table
+        streams, logits = self.graphs.run(key, rows, cur)
+        for req, _, _, committed_end in live:
+            req.mtp_seq.num_tokens = committed_end + step + 1
+        return streams, logits

@@ -18,15 +18,17 @@ from torch import nn
 
 from .attention import SeqSlice
 from .config import ModelConfig
+from .decode_batch import DecodeBatch
 from .layers import rms_norm
 from .model import Block, DeepseekV4, HyperHead
 from .seq_state import SequenceState
 
 
 class MTPLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
         self.cfg = cfg
+        self.layer_id = cfg.num_layers + index  # its pools' layer number in the KV layout
         d = cfg.hidden_size
         self.enorm = nn.Parameter(torch.empty(d))
         self.hnorm = nn.Parameter(torch.empty(d))
@@ -40,11 +42,13 @@ class MTPLayer(nn.Module):
         return SequenceState(self.cfg, ["swa"], [0], model.dtype, model.device, slack)
 
     def forward(self, model: DeepseekV4, streams: torch.Tensor, next_token_ids: torch.Tensor,
-                positions: torch.Tensor, seqs: list[SeqSlice]) -> torch.Tensor:
+                positions: torch.Tensor, ctx: list[SeqSlice] | DecodeBatch) -> torch.Tensor:
         """streams: [T, n, D] target streams at `positions`; next_token_ids: [T]. Returns [T, n, D].
 
-        `seqs` carry this layer's own SequenceStates (see `new_state`)."""
+        A list of SeqSlices carries this layer's own sequence states (see `new_state`); a static
+        `DecodeBatch` (the main sequences' tables) addresses its pools by `layer_id`."""
         eps = self.cfg.rms_norm_eps
+        seqs = ctx if isinstance(ctx, list) else []
         for s in seqs:
             if s.start != s.state.num_tokens:
                 s.state.rewind(s.start)
@@ -52,7 +56,8 @@ class MTPLayer(nn.Module):
         emb = torch.where((positions == 0)[:, None], torch.zeros_like(emb), emb)
         h = F.linear(rms_norm(streams, self.hnorm, eps), self.h_proj)  # [T, n, D]
         h = h + F.linear(rms_norm(emb, self.enorm, eps), self.e_proj).unsqueeze(1)
-        out = self.block(h, next_token_ids, positions, model.step_rope(positions), seqs, 0)
+        layer = 0 if isinstance(ctx, list) else self.layer_id
+        out = self.block(h, next_token_ids, positions, model.step_rope(positions), ctx, layer)
         for s in seqs:
             s.state.num_tokens = s.start + s.length
         return out

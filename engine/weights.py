@@ -136,7 +136,7 @@ def build_model(cfg: ModelConfig, with_mtp: bool) -> DeepseekV4:
     with torch.device("meta"):
         model = DeepseekV4(cfg)
         if with_mtp:
-            model.mtp.extend(MTPLayer(cfg) for _ in range(cfg.num_nextn_predict_layers))
+            model.mtp.extend(MTPLayer(cfg, i) for i in range(cfg.num_nextn_predict_layers))
     return model
 
 

@@ -71,6 +71,7 @@ def test_static_verify_is_lossless(model):
     assert spec == plain
     assert engine.graphs.num_runs > 20
     assert engine.stats.spec_drafts > 0
+    assert any(key[0] == "mtp" for key in engine.graphs._shapes)  # draft steps ran static too
 
 
 def test_static_decode_under_fp8_kv(checkpoint_factory):
@@ -118,12 +119,15 @@ def test_shape_choice(model):
     cache = KVCache.for_model(model, "auto", max_num_seqs=8, num_full_blocks=32, block_size=16)
     graphs = DecodeGraphs(model, cache, (8, 1, 2, 4), (1, 4), 1000, capture=False)
     assert graphs.buckets == [64, 256, 1008]
-    assert graphs.shape_for(3, 1, 10) == (4, 1, 64)  # smallest size and context that hold the batch
-    assert graphs.shape_for(1, 4, 65) == (1, 4, 256)
-    assert graphs.shape_for(8, 1, 1008) == (8, 1, 1008)
+    assert graphs.shape_for(3, 1, 10) == ("model", 4, 1, 64)  # smallest size and context that hold the batch
+    assert graphs.shape_for(1, 4, 65) == ("model", 1, 4, 256)
+    assert graphs.shape_for(8, 1, 1008) == ("model", 8, 1, 1008)
     assert graphs.shape_for(9, 1, 10) is None  # above the largest size: eager
     assert graphs.shape_for(2, 2, 10) is None  # q not captured: eager
     assert graphs.shape_for(2, 1, 1009) is None
+    assert graphs.mtp_shape_for(3) is None  # draft steps not enabled
+    drafting = DecodeGraphs(model, cache, (1, 2, 4), (1, 4), 1000, capture=False, draft_steps=True)
+    assert drafting.mtp_shape_for(3) == ("mtp", 4, 1, 64) and drafting.mtp_shape_for(5) is None
     assert context_buckets(256, 32768) == [1024, 4096, 16384, 32768]
     with pytest.raises(ValueError, match="cuda-graph-sizes"):
         DecodeGraphs(model, cache, (0,), (1,), 1000, capture=False)
