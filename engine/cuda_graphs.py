@@ -115,6 +115,7 @@ class DecodeGraphs:
         return shape
 
     # ---- running -----------------------------------------------------------------------------
+    @torch.inference_mode()
     def run(self, key: Key, rows: list[DecodeRow], inputs: torch.Tensor | None = None,
             ) -> tuple[torch.Tensor, torch.Tensor]:
         """Streams [n·q, hc, D] and logits [n·q, vocab] of the live rows (views of static
@@ -154,6 +155,7 @@ class DecodeGraphs:
         return streams, mtp.logits(self.model, streams)
 
     # ---- capture (CUDA only) -----------------------------------------------------------------
+    @torch.inference_mode()
     def capture_all(self) -> int:
         """Capture every shape, largest first so smaller graphs reuse the shared pool."""
         if not self.capture:
