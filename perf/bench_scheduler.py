@@ -2,7 +2,9 @@
 
 The null model has the real interfaces (forward over a flattened batch, logits, per-sequence
 state) but does no maths: what remains is scheduling, block allocation, input building,
-sampling bookkeeping and the update. Measured at batch 1, 64 and 256 in steady decode.
+sampling bookkeeping and the update. Measured at batch 1, 64 and 256 in steady decode, on the
+per-sequence path (CPU default, mixed steps) and on the static-shape path that GPU decode steps
+take (its inputs filled exactly as before a CUDA-graph replay; the replay itself is one launch).
 Goal: ≤ 0.5 ms per step at batch 256 (a GPU decode step it must hide behind is a few ms).
 
     python perf/bench_scheduler.py [--steps 200] [--vocab 32]
@@ -37,8 +39,8 @@ class NullModel(nn.Module):
         self.mtp = nn.ModuleList()
         self.dtype, self.device = torch.float32, torch.device("cpu")
 
-    def forward(self, token_ids, positions, seqs):
-        for s in seqs:
+    def forward(self, token_ids, positions, ctx):
+        for s in ctx if isinstance(ctx, list) else []:
             s.state.num_tokens = s.start + s.length
         return torch.zeros(token_ids.shape[0], 1, 1)
 
@@ -48,10 +50,11 @@ class NullModel(nn.Module):
         return out
 
 
-def measure(batch: int, steps: int, vocab: int) -> float:
+def measure(batch: int, steps: int, vocab: int, static: bool = False) -> float:
     model = NullModel(vocab)
     engine = Engine(model, EngineConfig(max_num_seqs=batch, max_num_batched_tokens=max(batch, 256), block_size=256,
-                                        num_kv_blocks=batch * 8 + 8, kv_cache_memory_bytes=1 << 30))
+                                        num_kv_blocks=batch * 8 + 8, kv_cache_memory_bytes=1 << 30,
+                                        static_decode=static, cuda_graph_sizes=(1, 64, 256)))
     params = SamplingParams(max_tokens=30000, ignore_eos=True)
     for i in range(batch):
         engine.add_request(str(i), [5] * 64, params)
@@ -72,10 +75,11 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"null model, steady greedy decode, median of {args.steps} steps, vocab {args.vocab}")
-    print(f"{'batch':>6} {'ms/step':>9} {'µs/request':>11}")
+    print(f"{'batch':>6} {'per-sequence ms':>16} {'static ms':>10} {'static µs/request':>18}")
     for batch in (1, 64, 256):
-        t = measure(batch, args.steps, args.vocab)
-        print(f"{batch:6d} {t * 1e3:9.3f} {t * 1e6 / batch:11.1f}")
+        eager = measure(batch, args.steps, args.vocab)
+        static = measure(batch, args.steps, args.vocab, static=True)
+        print(f"{batch:6d} {eager * 1e3:16.3f} {static * 1e3:10.3f} {static * 1e6 / batch:18.1f}")
 
 
 if __name__ == "__main__":
