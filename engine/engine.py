@@ -48,6 +48,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"--mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if any(size < 1 for size in self.cuda_graph_sizes):
+            raise ValueError(f"--cuda-graph-sizes must be positive batch sizes, got {list(self.cuda_graph_sizes)}")
 
     def resolved(self) -> "EngineConfig":
         """Fill the mode-dependent defaults."""
