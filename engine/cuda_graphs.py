@@ -74,7 +74,7 @@ class DecodeGraphs:
         # Sliding blocks a table can hold at a step: the kept window plus the step, across block edges.
         self.sliding_blocks = -(-(cache.manager.keep + 2 * max(self.tokens_per_seq)) // b) + 2
         self.capture = capture and torch.device(cache.device).type == "cuda"
-        self._shapes: dict[tuple[int, int, int], _Shape] = {}
+        self._shapes: dict[Key, _Shape] = {}
         self._pool = None
         self.num_runs = 0  # static-shape steps run
         self.num_replays = 0  # of which replayed from a captured graph

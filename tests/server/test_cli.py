@@ -74,12 +74,23 @@ def test_generation_stops_at_eos_like_transformers(tiny_dir):
     (["--prompt", "hi", "--temperature", "-1"], "temperature"),
     (["--prompt", "hi", "--top-p", "1.5"], "top_p"),
     (["--prompt", "hi", "--max-tokens", "0"], "max_tokens"),
+    (["--prompt", "hi", "--cuda-graph-sizes", "4", "0"], "--cuda-graph-sizes"),
 ])
 def test_bad_input_is_one_line_error(tiny_dir, args, fragment):
     proc = ringserve("generate", str(tiny_dir), *args, check=False)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("ringserve: error:") and fragment in lines[0]
+
+
+def test_graph_flags_reach_the_engine_config():
+    from server.cli import build_parser, engine_config_from
+
+    args = build_parser().parse_args(["generate", "--prompt", "hi", "--cuda-graph-sizes", "1", "8", "--enforce-eager"])
+    cfg = engine_config_from(args).resolved()
+    assert cfg.cuda_graph_sizes == (1, 8) and cfg.enforce_eager
+    default = engine_config_from(build_parser().parse_args(["generate", "--prompt", "hi"])).resolved()
+    assert default.cuda_graph_sizes == (1, 2, 4, 8, 16, 32, 64) and not default.enforce_eager
 
 
 def test_truncated_checkpoint_is_one_line_error(tiny_dir, tmp_path):
