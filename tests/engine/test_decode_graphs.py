@@ -74,11 +74,23 @@ def test_static_verify_is_lossless(model):
     assert any(key[0] == "mtp" for key in engine.graphs._shapes)  # draft steps ran static too
 
 
-def test_static_decode_under_fp8_kv(checkpoint_factory):
+@pytest.mark.parametrize("kv_dtype", ["fp8", "fp4"])
+def test_static_decode_under_quantized_kv(checkpoint_factory, kv_dtype):
     model = load_model(checkpoint_factory("tiny-q", **QUANTIZABLE), dtype=torch.float32, progress=False)
     prompts = _prompts(6, seed=11)
-    eager, _ = _run(model, prompts, static=False, kv_dtype="fp8")
-    static, engine = _run(model, prompts, static=True, kv_dtype="fp8")
+    eager, _ = _run(model, prompts, static=False, kv_dtype=kv_dtype)
+    static, engine = _run(model, prompts, static=True, kv_dtype=kv_dtype)
+    assert static == eager and engine.graphs.num_runs > 0
+
+
+def test_static_decode_with_preemption_and_sampling(model):
+    """A pool so small that requests are preempted and recomputed, seeded sampling with logprobs:
+    the static path gives the same tokens as the per-sequence path."""
+    prompts = _prompts(8, seed=13)
+    params = SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.8, top_p=0.9, seed=5, logprobs=2)
+    eager, first = _run(model, prompts, static=False, params=params, num_kv_blocks=9)
+    static, engine = _run(model, prompts, static=True, params=params, num_kv_blocks=9)
+    assert first.stats.num_preemptions > 0 and engine.stats.num_preemptions > 0
     assert static == eager and engine.graphs.num_runs > 0
 
 
