@@ -3,8 +3,9 @@
 Same maths as `Attention._attend` and `Compressor.step` on the per-sequence path, restated over
 a [B, q] grid with masks instead of Python loops and data-dependent lengths, so that nothing
 here reads a tensor value on the host: the step is CUDA-graph capturable. History lengths are
-fixed (window − 1 keys, span − 1 compressor rows, every entry the full table can address);
-positions a sequence does not have yet are masked and their rows zeroed.
+fixed (window − 1 keys, span − 1 compressor rows, every entry the full table can address for
+the indexer and HCA, the top-k picked entries for CSA attention); positions a sequence does not
+have yet are masked and their rows zeroed.
 """
 
 from __future__ import annotations
@@ -28,14 +29,13 @@ def _read_masked(ref: PoolRef, slots: torch.Tensor, valid: torch.Tensor) -> torc
 
 
 def compress(compressor, rows: torch.Tensor, batch: DecodeBatch, refs: tuple[PoolRef, PoolRef], rope_table,
-             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Append this step's compressor rows, emit the entries they complete, read every entry.
+             dtype: torch.dtype) -> None:
+    """Append this step's compressor rows and write the entries they complete.
 
-    rows: [B, q, 2·width] fp32 ([C | Z + ape] per token). Returns (entries [B, E, dim] in
-    `dtype`, entry index [E]) with E = max_context / ratio; entries a sequence does not have
-    are zero. A token at position p completes entry p // m when (p + 1) % m == 0; its entry
-    pools the `span` rows ending at p (2m when overlapping: Ca of the previous window and Cb
-    of this one, m otherwise).
+    rows: [B, q, 2·width] fp32 ([C | Z + ape] per token). A token at position p completes
+    entry p // m when (p + 1) % m == 0; its entry pools the `span` rows ending at p (2m when
+    overlapping: Ca of the previous window and Cb of this one, m otherwise). Every token's
+    candidate is computed (static shapes); those that complete nothing go to the dummy block.
     """
     state_ref, entry_ref = refs
     m, d = compressor.ratio, compressor.out_dim
@@ -64,27 +64,31 @@ def compress(compressor, rows: torch.Tensor, batch: DecodeBatch, refs: tuple[Poo
     entry_ref.write(torch.where(completes, target, torch.zeros_like(target)), candidates)  # others → dummy
     row_slots, _ = batch.sliding_slots(pos)
     state_ref.write(row_slots, rows)
-    num_entries = batch.max_context // m
-    index = torch.arange(num_entries, device=rows.device)
-    have = index[None, :] < torch.div(batch.start + q, m, rounding_mode="floor")[:, None]  # [B, E]
-    entries = _read_masked(entry_ref, batch.entry_slots(index.expand(batch.num_seqs, -1), m), have)
-    return entries, index
+
+
+def read_entries(ref: PoolRef, batch: DecodeBatch, ratio: int, index: torch.Tensor) -> torch.Tensor:
+    """Entries index [B, N] (< max_context / ratio) → [B, N, dim]; entries a sequence does not
+    have yet (this step's included) read as zero."""
+    count = torch.div(batch.start + batch.tokens_per_seq, ratio, rounding_mode="floor")  # [B]
+    return _read_masked(ref, batch.entry_slots(index, ratio), index < count[:, None])
 
 
 def select_entries(indexer, q_res: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-    """The lightning indexer's top-k over a static entry axis: visible [B, q, E] → mask [B, q, E].
-    Ties go to the lower entry index (stable sort), as on the per-sequence path."""
-    num_entries = visible.shape[-1]
-    if indexer.topk >= num_entries:  # every visible entry is within the top-k
-        return visible
+                   keys: torch.Tensor, visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The lightning indexer's top-k over the static entry axis.
+
+    keys: [B, E, dI]; visible: [B, q, E]. Returns (picked [B, q, K] entry indices, valid
+    [B, q, K]) with K = index_topk < E: each query's top-k visible entries by index score, ties
+    to the lower entry index (stable sort), as on the per-sequence path; slots beyond a
+    query's visible count are invalid.
+    """
     b, q = visible.shape[:2]
     iq, iw = indexer.queries(q_res, x, cos, sin)  # [T, Hi, dI], [T, Hi]
     iq = iq.view(b, q, indexer.num_heads, indexer.head_dim)
     scores = torch.einsum("bqhd,bed->bqhe", iq, keys.float()).relu_() * indexer.head_dim**-0.5
     scores = (scores * iw.view(b, q, -1, 1)).sum(dim=2).masked_fill_(~visible, float("-inf"))  # [B, q, E]
     picked = scores.sort(dim=-1, descending=True, stable=True).indices[..., : indexer.topk]
-    return torch.zeros_like(visible).scatter_(-1, picked, True) & visible
+    return picked, visible.gather(-1, picked)
 
 
 def attend(attn, q: torch.Tensor, kv: torch.Tensor, x: torch.Tensor, q_res: torch.Tensor, cos: torch.Tensor,
@@ -115,21 +119,30 @@ def attend(attn, q: torch.Tensor, kv: torch.Tensor, x: torch.Tensor, q_res: torc
     parts = [logits.masked_fill(~in_window[:, :, None, :], float("-inf"))]
     entries = None
     if attn.compressor is not None:
-        comp_rows = comp_rows.view(nseq, steps, -1)
-        entries, index = compress(attn.compressor, comp_rows, batch, (refs["comp_rows"], refs["comp_entries"]),
-                                  rope_table, x.dtype)
-        visible = index[None, None, :] < torch.div(pos + 1, attn.ratio, rounding_mode="floor")[..., None]
+        m = attn.ratio
+        compress(attn.compressor, comp_rows.view(nseq, steps, -1), batch, (refs["comp_rows"], refs["comp_entries"]),
+                 rope_table, x.dtype)
+        index = torch.arange(batch.max_context // m, device=x.device).expand(nseq, -1)  # [B, E]
+        visible = index[:, None, :] < torch.div(pos + 1, m, rounding_mode="floor")[..., None]  # [B, q, E]
+        sparse = attn.indexer is not None and attn.indexer.topk < index.shape[1]
         if attn.indexer is not None:
-            keys_i, _ = compress(attn.indexer.compressor, index_rows.view(nseq, steps, -1), batch,
-                                 (refs["index_rows"], refs["index_keys"]), rope_table, x.dtype)
-            visible = select_entries(attn.indexer, q_res, x, cos, sin, keys_i, visible)
-        entries = entries.float()
-        clog = torch.einsum("bqhd,bed->bqhe", qf, entries) * scale
+            compress(attn.indexer.compressor, index_rows.view(nseq, steps, -1), batch,
+                     (refs["index_rows"], refs["index_keys"]), rope_table, x.dtype)
+        if sparse:  # CSA: read only each query's top-k entries
+            keys_i = read_entries(refs["index_keys"], batch, m, index)
+            picked, visible = select_entries(attn.indexer, q_res, x, cos, sin, keys_i, visible)  # [B, q, K]
+            entries = read_entries(refs["comp_entries"], batch, m, picked.flatten(1)).float()
+            entries = entries.view(nseq, steps, picked.shape[-1], -1)  # [B, q, K, hd]
+            clog = torch.einsum("bqhd,bqkd->bqhk", qf, entries) * scale
+        else:  # HCA, or CSA with no more entries than top-k: every visible entry
+            entries = read_entries(refs["comp_entries"], batch, m, index).float()  # [B, E, hd]
+            clog = torch.einsum("bqhd,bed->bqhe", qf, entries) * scale
         parts.append(clog.masked_fill(~visible[:, :, None, :], float("-inf")))
     parts.append(attn.attn_sink.float().view(1, 1, -1, 1).expand(nseq, steps, -1, 1))
     probs = torch.softmax(torch.cat(parts, dim=-1), dim=-1)
     num_keys = keys.shape[1]
     out = torch.einsum("bqhl,bld->bqhd", probs[..., :num_keys], keys)
     if entries is not None:
-        out = out + torch.einsum("bqhe,bed->bqhd", probs[..., num_keys:-1], entries)
+        pattern = "bqhk,bqkd->bqhd" if entries.dim() == 4 else "bqhe,bed->bqhd"
+        out = out + torch.einsum(pattern, probs[..., num_keys:-1], entries)
     return out.flatten(0, 1)
