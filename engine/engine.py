@@ -20,6 +20,7 @@ from .model_runner import ModelRunner
 from .request import FinishReason, Request
 from .sampling import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
+from .spec_control import SpeculationControl
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,9 @@ class EngineConfig:
     # default: on for CUDA unless enforce_eager, off on CPU (see `static_decode_default`).
     static_decode: bool | None = None
     enforce_eager: bool = False  # never capture CUDA graphs (a static path, if on, runs uncaptured)
+    # Verify only as many of the k drafts as pay for themselves (engine/spec_control.py);
+    # False = always k.
+    adaptive_speculation: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -111,11 +115,14 @@ class Engine:
             static = static_decode_default(model.device) and not config.enforce_eager
         if static:
             k = config.speculative_tokens
-            self.graphs = DecodeGraphs(model, self.cache, config.cuda_graph_sizes, (1, 1 + k) if k else (1,), max_len,
+            depths = tuple(range(1, k + 2)) if config.adaptive_speculation else (1, 1 + k)
+            self.graphs = DecodeGraphs(model, self.cache, config.cuda_graph_sizes, depths, max_len,
                                        capture=model.device.type == "cuda" and not config.enforce_eager,
                                        draft_steps=k > 1)
             self.graphs.capture_all()
         self.runner = ModelRunner(model, self.cache, config.speculative_tokens, self.graphs)
+        k = config.speculative_tokens
+        self.spec_control = SpeculationControl(k) if k and config.adaptive_speculation else None
         self.stats = EngineStats(spec_accepted_per_position=[0] * config.speculative_tokens)
         self._pending_aborts: list[str] = []
 
@@ -150,10 +157,15 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        control = self.spec_control
+        if control is not None:
+            self.runner.num_drafts = control.choose(len(batch.scheduled))
         outputs = self.runner.execute(batch)
         self.scheduler.update(batch, outputs)
         if self.runner.k:
             self._count_acceptance(batch, outputs)
+        if control is not None:
+            self._observe(control, batch, outputs, time.perf_counter() - t0)
         deltas = []
         for s in batch.scheduled:
             req = s.request
@@ -174,6 +186,20 @@ class Engine:
             self.stats.spec_draft_tokens += k
             for i in range(len(out.accepted) - 1):
                 self.stats.spec_accepted_per_position[i] += 1
+
+    @staticmethod
+    def _observe(control: SpeculationControl, batch, outputs, seconds: float) -> None:
+        """Feed the controller this step's verifications and, for a pure decode/verify step of
+        one depth (the steps its choice is about), the step's time."""
+        depth = batch.scheduled[0].num_draft
+        uniform = True
+        for s in batch.scheduled:
+            out = outputs.get(s.request.request_id)
+            if s.num_draft and out is not None and not out.error:
+                control.observe_verification(s.num_draft, len(out.accepted) - 1)
+            uniform = uniform and s.reaches_end and s.num_draft == depth and s.num_tokens == depth + 1
+        if uniform:
+            control.observe_step_time(len(batch.scheduled), depth, seconds)
 
     def _delta(self, req: Request) -> TokenDelta:
         lo = req.num_emitted

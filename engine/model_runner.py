@@ -37,6 +37,7 @@ class ModelRunner:
             raise ValueError("--speculative-tokens needs a checkpoint with MTP weights (num_nextn_predict_layers ≥ 1)")
         self.model, self.cache, self.k = model, cache, num_speculative_tokens
         self.graphs = graphs  # the static-shape decode/verify path; None = always per-sequence
+        self.num_drafts = num_speculative_tokens  # drafts to propose this step (≤ k; set by the engine)
         self.device = model.device
         # Test hook replacing MTP drafts (e.g. to force wrong ones): f(request, accepted_now, drafts) -> drafts.
         self.draft_override = None
@@ -172,8 +173,8 @@ class ModelRunner:
 
     # ---- MTP drafting ------------------------------------------------------------------------
     def _run_mtp(self, batch: Batch, streams: torch.Tensor, outputs: dict[str, RequestStepOutput]) -> None:
-        """Feed the MTP layer every accepted row of this step, then draft k tokens per request
-        that sampled. Row at position q pairs the target's streams at q with token q + 1."""
+        """Feed the MTP layer every accepted row of this step, then draft `num_drafts` tokens per
+        request that sampled. Row at position q pairs the target's streams at q with token q + 1."""
         mtp = self.model.mtp[0]
         rows, next_tokens, positions, seqs, drafting = [], [], [], [], []
         begin = offset = 0  # row in the MTP batch / row in the target batch
@@ -207,10 +208,12 @@ class ModelRunner:
 
     def _draft(self, drafting, h: torch.Tensor) -> None:
         mtp = self.model.mtp[0]
+        if self.num_drafts == 0:  # speculation turned down: the MTP state was kept in step, nothing to propose
+            return
         live = []
         for req, out, row, committed_end in drafting:
-            # Drafting writes the MTP window up to position committed_end + k − 2.
-            if self.cache.allocate(req.seq, committed_end, committed_end + self.k):
+            # Drafting writes the MTP window up to position committed_end + drafts − 2.
+            if self.cache.allocate(req.seq, committed_end, committed_end + self.num_drafts):
                 live.append((req, out, row, committed_end))
         if not live:
             return
@@ -220,14 +223,14 @@ class ModelRunner:
         probs_per_step = []
         logits = mtp.logits(self.model, cur)
         key = self.graphs.mtp_shape_for(len(live)) if self.graphs is not None else None
-        for step in range(self.k):
+        for step in range(self.num_drafts):
             probs = to_probs(logits, params)
             tok = sample(probs, [req.generator for req, *_ in live])
             probs_per_step.append(probs)
             tok_list = tok.tolist()
             for j, t in enumerate(tok_list):
                 drafts[j].append(t)
-            if step + 1 == self.k:
+            if step + 1 == self.num_drafts:
                 break
             if key is not None:  # the draft step from a CUDA graph (static shape)
                 cur, logits = self._draft_step_static(key, live, step, tok_list, cur)
@@ -238,7 +241,8 @@ class ModelRunner:
             logits = mtp.logits(self.model, cur)
         stacked = torch.stack(probs_per_step, dim=1)  # [R, k, V]
         for j, (req, out, _, _) in enumerate(live):
-            out.drafts = drafts[j] if self.draft_override is None else self.draft_override(req, out.accepted, drafts[j])
+            proposed = drafts[j] if self.draft_override is None else self.draft_override(req, out.accepted, drafts[j])
+            out.drafts = proposed[: self.num_drafts]
             req.draft_probs = None if (req.params.greedy or self.draft_override) else stacked[j]
 
     def _draft_step_static(self, key, live, step: int, tokens: list[int], cur: torch.Tensor):

@@ -1,8 +1,10 @@
 """MTP speculation on vs off at batch 1, side by side: tokens/s and acceptance.
 
 With random weights the MTP head's drafts are almost never right, so this measures the
-mechanism's cost when drafts fail; `--oracle` adds a run whose drafts are forced to the true
-continuation (what a well-trained draft head approaches), bounding the gain from above.
+mechanism's cost when drafts fail, with all k drafts verified every step ('fixed') and with
+load-adaptive speculation ('adaptive', the default: it stops verifying drafts that fail);
+`--oracle` adds runs whose drafts are forced to the true continuation (what a well-trained
+draft head approaches), bounding the gain from above.
 
     python perf/bench_spec.py [--preset small] [--tokens 128] [--k 3] [--oracle]
 """
@@ -25,9 +27,9 @@ from engine.sampling import SamplingParams  # noqa: E402
 from engine.weights import load_model  # noqa: E402
 
 
-def run(model, k: int, prompt: list[int], tokens: int, oracle: list[int] | None = None):
+def run(model, k: int, prompt: list[int], tokens: int, oracle: list[int] | None = None, adaptive: bool = True):
     engine = Engine(model, EngineConfig(max_num_seqs=1, max_num_batched_tokens=512, speculative_tokens=k,
-                                        kv_cache_memory_bytes=256 << 20))
+                                        kv_cache_memory_bytes=256 << 20, adaptive_speculation=adaptive))
     if oracle is not None:
         engine.runner.draft_override = lambda req, acc, d: oracle[req.num_output_tokens + len(acc):][:k] or d
     engine.add_request("0", prompt, SamplingParams(max_tokens=tokens, ignore_eos=True))
@@ -59,17 +61,19 @@ def main() -> None:
     prompt = torch.randint(2, cfg.vocab_size, (128,), generator=torch.Generator().manual_seed(0)).tolist()
     base, tps0, _, _ = run(model, 0, prompt, args.tokens)
     rows = [("off", tps0, 1.0, [])]
-    spec, tps, length, per_pos = run(model, args.k, prompt, args.tokens)
-    assert spec == base, "speculation changed greedy output"
-    rows.append((f"MTP k={args.k}", tps, length, per_pos))
+    for adaptive in (False, True):
+        spec, tps, length, per_pos = run(model, args.k, prompt, args.tokens, adaptive=adaptive)
+        assert spec == base, "speculation changed greedy output"
+        rows.append((f"MTP k={args.k} {'adaptive' if adaptive else 'fixed'}", tps, length, per_pos))
     if args.oracle:
-        orc, tps, length, per_pos = run(model, args.k, prompt, args.tokens, oracle=base)
-        assert orc == base
-        rows.append((f"oracle k={args.k}", tps, length, per_pos))
+        for adaptive in (False, True):
+            orc, tps, length, per_pos = run(model, args.k, prompt, args.tokens, oracle=base, adaptive=adaptive)
+            assert orc == base
+            rows.append((f"oracle k={args.k} {'adaptive' if adaptive else 'fixed'}", tps, length, per_pos))
     print(f"{args.preset} preset, batch 1, {args.tokens} greedy tokens after a 128-token prompt, fp32")
-    print(f"{'speculation':14} {'tok/s':>8} {'vs off':>7} {'accept len':>11}  per-position acceptance")
+    print(f"{'speculation':20} {'tok/s':>8} {'vs off':>7} {'accept len':>11}  per-position acceptance")
     for name, t, length, pos in rows:
-        print(f"{name:14} {t:8.2f} {t / tps0:6.2f}x {length:11.2f}  {' '.join(f'{p:.2f}' for p in pos)}")
+        print(f"{name:20} {t:8.2f} {t / tps0:6.2f}x {length:11.2f}  {' '.join(f'{p:.2f}' for p in pos)}")
 
 
 if __name__ == "__main__":

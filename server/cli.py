@@ -69,6 +69,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: min(model, 32768))")
     p.add_argument("--speculative-tokens", type=int, default=None,
                    help="MTP draft tokens per step, 0 disables (mode default: 3 single-user, 0 throughput)")
+    p.add_argument("--no-adaptive-speculation", dest="adaptive_speculation", action="store_false",
+                   help="always verify all --speculative-tokens drafts (default: as many as measured acceptance "
+                        "and step cost make worthwhile)")
     p.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
                    help="batch sizes captured as decode/verify CUDA graphs (mode default: 1 2 4 single-user, "
                         "1 2 4 … 64 throughput)")
@@ -87,7 +90,7 @@ def engine_config_from(args: argparse.Namespace):
                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                         speculative_tokens=args.speculative_tokens,
                         cuda_graph_sizes=tuple(args.cuda_graph_sizes or ()),
-                        enforce_eager=args.enforce_eager,
+                        enforce_eager=args.enforce_eager, adaptive_speculation=args.adaptive_speculation,
                         kv_cache_memory_bytes=int(args.kv_cache_memory * 2**30), block_size=args.block_size)
 
 

@@ -67,7 +67,8 @@ def test_static_verify_is_lossless(model):
     """q = 4 verify steps (3 MTP drafts) through the static path equal greedy without speculation."""
     prompts = _prompts(6, seed=7)
     plain, _ = _run(model, prompts, static=False)
-    spec, engine = _run(model, prompts, static=True, speculative_tokens=3, max_num_seqs=4)
+    spec, engine = _run(model, prompts, static=True, speculative_tokens=3, max_num_seqs=4,
+                        adaptive_speculation=False)
     assert spec == plain
     assert engine.graphs.num_runs > 20
     assert engine.stats.spec_drafts > 0

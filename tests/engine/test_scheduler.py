@@ -78,7 +78,7 @@ def test_preemption_under_a_small_pool_keeps_outputs(model):
 
 def test_speculation_is_lossless_under_greedy(model):
     prompts = _prompts(12, seed=3)
-    engine = _engine(model, speculative_tokens=3)
+    engine = _engine(model, speculative_tokens=3, adaptive_speculation=False)  # verify all 3 every step
     out = _run(engine, prompts)
     assert [out[str(i)] for i in range(12)] == _alone(model, prompts)
     assert engine.stats.spec_draft_tokens > 0
@@ -89,7 +89,7 @@ def test_speculation_is_lossless_under_greedy(model):
 def test_forced_drafts_give_the_same_output(model, drafts):
     prompts = _prompts(6, seed=4)
     truth = {str(i): t for i, t in enumerate(_alone(model, prompts))}
-    engine = _engine(model, speculative_tokens=3)
+    engine = _engine(model, speculative_tokens=3, adaptive_speculation=False)
 
     def override(req, accepted_now, proposed):
         if drafts == "wrong":
@@ -105,6 +105,32 @@ def test_forced_drafts_give_the_same_output(model, drafts):
         assert sum(accepted) == 0
     else:
         assert accepted[0] > 0 and accepted[2] > 0
+    _assert_clean(engine)
+
+
+@pytest.mark.parametrize("drafts", ["wrong", "right"])
+def test_adaptive_speculation_follows_acceptance(model, drafts):
+    """Always-wrong drafts turn verification down to the periodic probes; always-right ones keep
+    all 3 drafts verified. Output is the greedy output either way."""
+    prompts = _prompts(4, seed=6, max_len=20)
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    truth = {str(i): t for i, t in enumerate(_alone(model, prompts, params))}
+    engine = _engine(model, speculative_tokens=3)
+
+    def override(req, accepted_now, proposed):
+        if drafts == "wrong":
+            return [(t + 1) % 500 for t in proposed]
+        done = req.num_output_tokens + len(accepted_now)
+        return truth[req.request_id][done : done + 3] or proposed
+
+    engine.runner.draft_override = override
+    assert _run(engine, prompts, params) == truth
+    drafts_per_verify = engine.stats.spec_draft_tokens / max(1, engine.stats.spec_drafts)
+    if drafts == "wrong":
+        decode_steps = engine.stats.steps
+        assert engine.stats.spec_drafts < 0.3 * decode_steps * len(prompts)  # mostly plain decode
+    else:
+        assert drafts_per_verify > 2.5 and engine.stats.spec_accepted_per_position[2] > 0
     _assert_clean(engine)
 
 
