@@ -168,6 +168,22 @@ def test_sigterm_drains_then_aborts_and_cleans_up(model_dir, tmp_path):
     assert not _children(server.proc.pid) and not _segments_of(server.proc.pid)
 
 
+def test_ctrl_c_to_the_process_group_shuts_down_cleanly(model_dir):
+    """A terminal's Ctrl-C reaches the server and its workers at once: the server still drains
+    and stops its workers itself, and no process prints a KeyboardInterrupt traceback."""
+    server = Server(model_dir)
+    try:
+        assert len(_workers(server.proc.pid)) == 1
+        os.killpg(server.proc.pid, signal.SIGINT)  # the server runs in its own session
+        code = server.proc.wait(timeout=60)
+        log = server.output()
+    finally:
+        server.stop()
+    assert code == 0, log
+    assert "Traceback" not in log and "KeyboardInterrupt" not in log, log
+    assert not _children(server.proc.pid) and not _segments_of(server.proc.pid)
+
+
 def test_dead_worker_fails_health_and_exits_nonzero(model_dir):
     server = Server(model_dir)
     try:
