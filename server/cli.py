@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
 
 
 class CliError(Exception):
@@ -319,8 +320,17 @@ def _generate_dp(model_dir: Path, config, dp: int, prompts: list[list[int]], par
             await client.shutdown()
 
     loop = new_event_loop()
+    task = loop.create_task(run())
     try:
-        return loop.run_until_complete(run())
+        return loop.run_until_complete(task)
+    except KeyboardInterrupt:
+        # Ctrl-C: cancel the requests, then let run() stop the workers (they ignore SIGINT).
+        task.cancel()
+        try:
+            loop.run_until_complete(task)
+        except asyncio.CancelledError:
+            pass
+        raise
     finally:
         loop.close()
 
@@ -349,6 +359,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.func(args)
+    except KeyboardInterrupt:
+        print("ringserve: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except (CliError, ConfigError, WeightLoadError, SamplingError, WorkerDied, ValueError, OSError) as exc:
         message = " ".join(str(exc).split())  # one line, whatever the exception carried
         print(f"ringserve: error: {message}", file=sys.stderr)

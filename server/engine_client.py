@@ -16,6 +16,8 @@ import json
 import logging
 import multiprocessing
 import os
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,6 +70,20 @@ class _Rank:
     inflight: set[int] = field(default_factory=set)
 
 
+def _start_ignoring_sigint(proc: multiprocessing.Process) -> None:
+    """Start a worker with SIGINT ignored from its first instruction (the disposition survives
+    exec, and Python keeps an ignored SIGINT ignored): a terminal's Ctrl-C reaches the whole
+    process group, and stopping the workers is the server's job, not the signal's."""
+    if threading.current_thread() is not threading.main_thread():
+        proc.start()
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        proc.start()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 class EngineClient:
     def __init__(self, model_dir: str | Path, config: EngineConfig, dp: int = 1, device: str = "cpu",
                  threads_per_worker: int | None = None, ring_config: RingConfig | None = None,
@@ -99,7 +115,7 @@ class EngineClient:
             proc = ctx.Process(target=worker_main, name=f"ringserve-rank{rank}", daemon=True,
                                args=(rank, self.model_dir, config_json, requests.name, outputs.name, self.threads,
                                      self.device))
-            proc.start()
+            _start_ignoring_sigint(proc)
             self.ranks.append(_Rank(rank, proc, requests, outputs))
         try:
             await asyncio.gather(*(self._await_ready(r) for r in self.ranks))

@@ -117,3 +117,38 @@ def test_kv_report_of_a_model_dir(tiny_dir):
     report = json.loads(ringserve("kv-report", str(tiny_dir), "--kv-dtype", "bf16", "--json").stdout)
     # tiny: 2 CSA layers (m=4) with 32-wide entries and 16-wide index keys, 1 HCA layer (m=8), bf16.
     assert report["global_bytes_per_token"] == pytest.approx(2 * 64 / 4 + 2 * 32 / 4 + 64 / 8)
+
+
+def test_ctrl_c_during_dp_generate_stops_workers_cleanly(tiny_dir):
+    """Ctrl-C reaches the CLI and its worker processes at once: one line, exit 130, no process
+    or shared-memory ring left behind."""
+    import os
+    import signal
+    import time
+
+    from ipc.segment import list_segments
+
+    cmd = [sys.executable, "-m", "server.cli", "generate", str(tiny_dir), "--dp", "2", "--prompt-ids", "5,6,7",
+           "--max-tokens", "900", "--ignore-eos"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            out = subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "spawn_main"], capture_output=True, text=True)
+            if len(out.stdout.split()) == 2:
+                break
+            time.sleep(0.2)
+        time.sleep(1.0)  # let the workers start generating
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    assert err.strip() == "ringserve: interrupted"
+    deadline = time.monotonic() + 10  # multiprocessing's resource tracker exits once it sees EOF
+    while subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True).stdout and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = subprocess.run(["pgrep", "-a", "-g", str(proc.pid)], capture_output=True, text=True).stdout
+    assert left == "", left
+    assert not [n for n in list_segments() if n.startswith(f"rsring-{proc.pid}-")]
