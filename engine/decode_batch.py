@@ -19,7 +19,8 @@ never visible to a real sequence (every out-of-range read is masked and zeroed).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -27,8 +28,14 @@ import torch
 from .kv_cache import KVCache
 
 
+_FIELDS = ("token_ids", "positions", "start", "full_table", "sliding_table", "sliding_first")
+
+
 @dataclass
 class DecodeBatch:
+    """Every field is a view of one int64 device buffer (`_device`), filled from a host mirror
+    (`_host`, pinned on CUDA) by a single copy per step; on CPU the mirror is the buffer."""
+
     cache: KVCache
     tokens_per_seq: int  # q
     token_ids: torch.Tensor  # [B·q] int64
@@ -37,17 +44,28 @@ class DecodeBatch:
     full_table: torch.Tensor  # [B, F] int64
     sliding_table: torch.Tensor  # [B, S] int64
     sliding_first: torch.Tensor  # [B] int64
+    _device: torch.Tensor
+    _host: torch.Tensor
+    _host_parts: dict[str, np.ndarray] = field(init=False)  # numpy views of the mirror, per field
+
+    def __post_init__(self) -> None:
+        host = self._host.numpy()
+        sizes = [getattr(self, name).numel() for name in _FIELDS]
+        self._host_parts = {name: part.reshape(getattr(self, name).shape)
+                            for name, part in zip(_FIELDS, np.split(host, np.cumsum(sizes)[:-1]))}
 
     @classmethod
     def allocate(cls, cache: KVCache, num_seqs: int, tokens_per_seq: int, full_blocks: int,
                  sliding_blocks: int) -> "DecodeBatch":
         """Zeroed buffers (all rows padding) for a batch shape."""
-        def zeros(*shape):
-            return torch.zeros(shape, dtype=torch.long, device=cache.device)
-
         n = num_seqs * tokens_per_seq
-        return cls(cache, tokens_per_seq, zeros(n), zeros(n), zeros(num_seqs), zeros(num_seqs, full_blocks),
-                   zeros(num_seqs, sliding_blocks), zeros(num_seqs))
+        shapes = ((n,), (n,), (num_seqs,), (num_seqs, full_blocks), (num_seqs, sliding_blocks), (num_seqs,))
+        sizes = [math.prod(shape) for shape in shapes]
+        device = torch.zeros(sum(sizes), dtype=torch.long, device=cache.device)
+        on_cuda = device.device.type == "cuda"
+        host = torch.zeros(sum(sizes), dtype=torch.long, pin_memory=True) if on_cuda else device
+        views = [part.view(shape) for part, shape in zip(device.split(sizes), shapes)]
+        return cls(cache, tokens_per_seq, *views, _device=device, _host=host)
 
     @property
     def num_seqs(self) -> int:
@@ -80,22 +98,21 @@ class DecodeBatch:
         """Copy a live batch into the buffers; rows past len(rows) become padding.
 
         rows: per sequence (token ids [q], start, full block ids ≤ F, sliding block ids ≤ S,
-        sliding_first). Built in host arrays first: one copy per buffer, no per-row tensors.
+        sliding_first). Written into the host mirror as numpy arrays, then one copy. The caller
+        must not fill again before the step that reads this copy has finished (every step ends
+        by reading its sampled tokens back, which waits for it).
         """
-        q, nseq = self.tokens_per_seq, self.num_seqs
-        tokens = np.zeros(nseq * q, dtype=np.int64)
-        start = np.zeros(nseq, dtype=np.int64)
-        first = np.zeros(nseq, dtype=np.int64)
-        full = np.zeros(tuple(self.full_table.shape), dtype=np.int64)
-        sliding = np.zeros(tuple(self.sliding_table.shape), dtype=np.int64)
-        n = len(rows)
+        q, n = self.tokens_per_seq, len(rows)
+        parts = self._host_parts
+        self._host.zero_()
+        tokens, start, first = parts["token_ids"], parts["start"], parts["sliding_first"]
+        full, sliding = parts["full_table"], parts["sliding_table"]
         tokens[: n * q] = [t for r in rows for t in r[0]]
         start[:n] = [r[1] for r in rows]
         first[:n] = [r[4] for r in rows]
         for i, (_, _, full_ids, sliding_ids, _) in enumerate(rows):
             full[i, : len(full_ids)] = full_ids
             sliding[i, : len(sliding_ids)] = sliding_ids
-        positions = (start[:, None] + np.arange(q)).reshape(-1)  # padding rows: 0..q-1
-        for dst, src in ((self.token_ids, tokens), (self.positions, positions), (self.start, start),
-                         (self.full_table, full), (self.sliding_table, sliding), (self.sliding_first, first)):
-            dst.copy_(torch.from_numpy(src), non_blocking=True)
+        parts["positions"][:] = (start[:, None] + np.arange(q)).reshape(-1)  # padding rows: 0..q-1
+        if self._host is not self._device:
+            self._device.copy_(self._host, non_blocking=True)
