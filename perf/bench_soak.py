@@ -3,7 +3,7 @@
 Reports the longest gap between two engine steps while work was waiting (host-side pauses:
 scheduling, IO, GC) and the longest GC pause inside the token path, after gc.freeze().
 
-    python perf/bench_soak.py [--seconds 300] [--preset tiny]
+    python perf/bench_soak.py [--seconds 300] [--preset tiny] [--speculative-tokens 3]
 """
 
 from __future__ import annotations
@@ -54,19 +54,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=300)
     parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--speculative-tokens", type=int, default=0, help="MTP drafts (adaptive), 0 = off")
     args = parser.parse_args()
     cfg = preset_config(args.preset)
     with tempfile.TemporaryDirectory() as tmp:
         write_checkpoint(tmp, cfg, random_state(cfg, 0), dtype=torch.float32)
-        model = load_model(tmp, dtype=torch.float32, progress=False, load_mtp=False)
-    engine = Engine(model, EngineConfig(max_num_seqs=16, max_num_batched_tokens=512, kv_cache_memory_bytes=64 << 20))
+        model = load_model(tmp, dtype=torch.float32, progress=False, load_mtp=args.speculative_tokens > 0)
+    engine = Engine(model, EngineConfig(max_num_seqs=16, max_num_batched_tokens=512, kv_cache_memory_bytes=64 << 20,
+                                        speculative_tokens=args.speculative_tokens))
     worker = Worker(engine, lambda d: None)
     worker.warm_up()
     loop = new_event_loop()
     finished = loop.run_until_complete(soak(worker, args.seconds, cfg.vocab_size))
     loop.close()
     s = worker.stats
-    print(f"{args.preset} preset, {args.seconds:.0f} s soak, {finished} requests finished, {s.steps} steps")
+    print(f"{args.preset} preset, {args.seconds:.0f} s soak, speculative tokens {args.speculative_tokens}, "
+          f"{finished} requests finished, {s.steps} steps")
     print(f"longest loop pause between steps: {s.max_loop_pause_s * 1e3:.2f} ms")
     print(f"longest GC pause in the token path: {s.max_gc_pause_s * 1e3:.2f} ms")
     print(f"longest engine step: {engine.stats.max_step_s * 1e3:.2f} ms")
