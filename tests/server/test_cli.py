@@ -119,7 +119,7 @@ def test_kv_report_of_a_model_dir(tiny_dir):
     assert report["global_bytes_per_token"] == pytest.approx(2 * 64 / 4 + 2 * 32 / 4 + 64 / 8)
 
 
-def test_ctrl_c_during_dp_generate_stops_workers_cleanly(tiny_dir):
+def test_ctrl_c_during_dp_generate_stops_workers_cleanly(tiny_dir, tmp_path):
     """Ctrl-C reaches the CLI and its worker processes at once: one line, exit 130, no process
     or shared-memory ring left behind."""
     import os
@@ -128,8 +128,10 @@ def test_ctrl_c_during_dp_generate_stops_workers_cleanly(tiny_dir):
 
     from ipc.segment import list_segments
 
-    cmd = [sys.executable, "-m", "server.cli", "generate", str(tiny_dir), "--dp", "2", "--prompt-ids", "5,6,7",
-           "--max-tokens", "900", "--ignore-eos"]
+    prompts = tmp_path / "many.jsonl"  # minutes of work: the interrupt lands while it runs
+    prompts.write_text("".join(json.dumps({"prompt_ids": [5, 6, i % 400 + 2]}) + "\n" for i in range(256)))
+    cmd = [sys.executable, "-m", "server.cli", "generate", str(tiny_dir), "--dp", "2", "--prompts-file", str(prompts),
+           "--max-tokens", "1000", "--ignore-eos"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 120
