@@ -18,6 +18,7 @@ eagerly, which is how CPU tests check it against the per-sequence path.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -163,10 +164,15 @@ class DecodeGraphs:
         keys = [("model", s, q, c) for c in self.buckets for q in self.tokens_per_seq for s in self.batch_sizes]
         if self.draft_steps:
             keys += [("mtp", s, 1, self.buckets[0]) for s in self.batch_sizes]
+        free_before, t0 = torch.cuda.mem_get_info()[0], time.perf_counter()
         for key in sorted(keys, key=lambda k: k[1:], reverse=True):
             self._get(key)
-        logger.info("captured %d CUDA graphs (sizes %s, q %s, contexts %s, MTP draft steps %s)", len(keys),
-                    self.batch_sizes, self.tokens_per_seq, self.buckets, self.draft_steps)
+        torch.cuda.synchronize()
+        used = free_before - torch.cuda.mem_get_info()[0]
+        # Operators size --kv-cache-memory around this: graph memory is not taken from the KV pools.
+        logger.info("captured %d CUDA graphs in %.1f s using %.2f GiB (sizes %s, q %s, contexts %s, MTP draft "
+                    "steps %s)", len(keys), time.perf_counter() - t0, used / 2**30, self.batch_sizes,
+                    self.tokens_per_seq, self.buckets, self.draft_steps)
         return len(keys)
 
     def _capture(self, shape: _Shape) -> None:

@@ -154,7 +154,10 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloat16, devic
     expert_rows: dict[str, set[tuple[int, str]]] = {}
     consumed: set[str] = set()
     weight_names = [n for n in ckpt.location if not _is_scale(n, ckpt.location)]
-    for name in tqdm(weight_names, desc="loading weights", unit="tensor", disable=not progress, leave=False):
+    # No tqdm at all without a progress bar: even disabled, it creates a multiprocessing lock
+    # (a named semaphore) that a worker killed at shutdown would leave behind.
+    names = tqdm(weight_names, desc="loading weights", unit="tensor", leave=False) if progress else weight_names
+    for name in names:
         target = target_of(name, layout)
         if target is None or (target.internal.startswith("mtp.") and target.internal not in expected):
             if name.startswith("mtp.") and not load_mtp:

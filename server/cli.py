@@ -311,27 +311,31 @@ def _generate_dp(model_dir: Path, config, dp: int, prompts: list[list[int]], par
         out.text = tokenizer.decode(out.token_ids) if tokenizer is not None else None
         return out
 
+    client = EngineClient(model_dir, config, dp=dp)
+
     async def run() -> list:
-        client = EngineClient(model_dir, config, dp=dp)
         await client.start()
-        try:
-            return await asyncio.gather(*(one(client, i, p) for i, p in enumerate(prompts)))
-        finally:
-            await client.shutdown()
+        return await asyncio.gather(*(one(client, i, p) for i, p in enumerate(prompts)))
 
     loop = new_event_loop()
     task = loop.create_task(run())
     try:
         return loop.run_until_complete(task)
-    except KeyboardInterrupt:
-        # Ctrl-C: cancel the requests, then let run() stop the workers (they ignore SIGINT).
-        task.cancel()
-        try:
-            loop.run_until_complete(task)
-        except asyncio.CancelledError:
-            pass
-        raise
     finally:
+        # Also after Ctrl-C, which leaves `task` suspended mid-await: the workers ignore SIGINT,
+        # so stopping them is ours. Then the cancelled requests unwind without sending aborts
+        # (their ranks are gone). What the teardown of an interrupted run would log (ranks
+        # stopping, rings closing under in-flight requests) is what the user asked for: quiet.
+        if not task.done():
+            for name in ("server", "ipc", "asyncio"):
+                logging.getLogger(name).setLevel(logging.CRITICAL)
+        loop.run_until_complete(client.shutdown(timeout_s=5.0))
+        if not task.done():
+            task.cancel()
+            try:
+                loop.run_until_complete(task)
+            except BaseException:  # noqa: BLE001 — the interrupt (or error) being raised already wins
+                pass
         loop.close()
 
 

@@ -177,6 +177,7 @@ class EngineClient:
             if r.process.is_alive():
                 r.process.kill()
             r.process.join(timeout=5)
+            r.alive = False  # nothing more is sent to it (aborts of cancelled requests included)
             r.requests.close()
             r.outputs.close()
         for q in self._queues.values():
