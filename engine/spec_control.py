@@ -22,6 +22,7 @@ measured one plus `DRAFT_COST` of it per extra draft.
 from __future__ import annotations
 
 DRAFT_COST = 0.15  # prior: each extra draft adds this fraction of a measured step's time
+MARGIN = 0.03  # a deeper verification must promise this much more throughput to be chosen
 
 
 def _bucket(num_seqs: int) -> int:
@@ -93,7 +94,7 @@ class SpeculationControl:
         for d in range(self.k + 1):
             cost = self.step_cost(num_seqs, d)
             rate = (1.0 + self.expected_accepted(d)) / (cost if cost is not None else 1.0 + DRAFT_COST * d)
-            if rate > best_rate * 1.001:  # ties go to fewer drafts
+            if rate > best_rate * (1.0 + MARGIN):  # near-ties (within timing noise) go to fewer drafts
                 best, best_rate = d, rate
         if best == self.k:
             self.probe_every, self._since_probe = self.base_probe_every, 0

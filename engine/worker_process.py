@@ -12,7 +12,6 @@ import asyncio
 import json
 import logging
 import os
-import signal
 import time
 
 import torch
@@ -61,10 +60,6 @@ class _Outbox:
 def worker_main(rank: int, model_dir: str, config_json: str, request_ring: str, output_ring: str,
                 num_threads: int, device: str = "cpu") -> None:
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
-    # Ctrl-C in a terminal signals the whole process group: the server drains and then sends
-    # Shutdown, so a worker must not die of the same SIGINT half-way through a step. (The
-    # engine client already starts workers with SIGINT ignored; this holds for other launchers.)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(num_threads)
     writer = RingWriter.attach(output_ring)
     reader = RingReader.attach(request_ring)

@@ -16,8 +16,6 @@ import json
 import logging
 import multiprocessing
 import os
-import signal
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,20 +68,6 @@ class _Rank:
     inflight: set[int] = field(default_factory=set)
 
 
-def _start_ignoring_sigint(proc: multiprocessing.Process) -> None:
-    """Start a worker with SIGINT ignored from its first instruction (the disposition survives
-    exec, and Python keeps an ignored SIGINT ignored): a terminal's Ctrl-C reaches the whole
-    process group, and stopping the workers is the server's job, not the signal's."""
-    if threading.current_thread() is not threading.main_thread():
-        proc.start()
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        proc.start()
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
 class EngineClient:
     def __init__(self, model_dir: str | Path, config: EngineConfig, dp: int = 1, device: str = "cpu",
                  threads_per_worker: int | None = None, ring_config: RingConfig | None = None,
@@ -106,16 +90,16 @@ class EngineClient:
     async def start(self) -> None:
         remove_orphans()  # rings a crashed predecessor left in /dev/shm
         ctx = multiprocessing.get_context("spawn")
-        from engine.worker_process import worker_main
+        from server.worker_entry import run_worker
 
         config_json = json.dumps(self.config.to_dict())
         for rank in range(self.dp):
             requests = RingWriter.create(self.ring_config)
             outputs = RingReader.create(self.ring_config)
-            proc = ctx.Process(target=worker_main, name=f"ringserve-rank{rank}", daemon=True,
+            proc = ctx.Process(target=run_worker, name=f"ringserve-rank{rank}", daemon=True,
                                args=(rank, self.model_dir, config_json, requests.name, outputs.name, self.threads,
                                      self.device))
-            _start_ignoring_sigint(proc)
+            proc.start()
             self.ranks.append(_Rank(rank, proc, requests, outputs))
         try:
             await asyncio.gather(*(self._await_ready(r) for r in self.ranks))

@@ -140,9 +140,9 @@ def test_ctrl_c_during_dp_generate_stops_workers_cleanly(tiny_dir, tmp_path):
             if len(out.stdout.split()) == 2:
                 break
             time.sleep(0.2)
-        time.sleep(1.0)  # let the workers start generating
+        time.sleep(3.0)  # the workers are past their first instructions (SIGINT ignored)
         os.killpg(proc.pid, signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
