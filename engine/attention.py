@@ -73,7 +73,7 @@ class Compressor(nn.Module):
 
     def step(self, state: CompressorState, rows: torch.Tensor, start: int, rope_table, dtype: torch.dtype) -> int:
         """Append this step's rows, emit every window they complete; return the entry count."""
-        m, d = self.ratio, self.out_dim
+        m = self.ratio
         n = rows.shape[0]
         first, last = start // m, (start + n) // m  # entries [first, last) are new
         if last > first:

@@ -109,21 +109,20 @@ class Engine:
         sched_cfg = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_len,
                                     config.speculative_tokens)
         self.scheduler = Scheduler(sched_cfg, self.cache, model.cfg.eos_token_ids)
+        k = config.speculative_tokens
         self.graphs = None
         static = config.static_decode
         if static is None:
             static = static_decode_default(model.device) and not config.enforce_eager
         if static:
-            k = config.speculative_tokens
             depths = tuple(range(1, k + 2)) if config.adaptive_speculation else (1, 1 + k)
             self.graphs = DecodeGraphs(model, self.cache, config.cuda_graph_sizes, depths, max_len,
                                        capture=model.device.type == "cuda" and not config.enforce_eager,
                                        draft_steps=k > 1)
             self.graphs.capture_all()
-        self.runner = ModelRunner(model, self.cache, config.speculative_tokens, self.graphs)
-        k = config.speculative_tokens
+        self.runner = ModelRunner(model, self.cache, k, self.graphs)
         self.spec_control = SpeculationControl(k) if k and config.adaptive_speculation else None
-        self.stats = EngineStats(spec_accepted_per_position=[0] * config.speculative_tokens)
+        self.stats = EngineStats(spec_accepted_per_position=[0] * k)
         self._pending_aborts: list[str] = []
 
     @property

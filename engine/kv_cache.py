@@ -158,6 +158,7 @@ class KVCache:
                             layout.block_size, device)
             for spec in layout.pools
         }
+        self._layer_pools: dict[int, dict[str, PoolRef]] = {}
 
     @classmethod
     def for_model(cls, model, kv_dtype: str = "auto", max_num_seqs: int = 64, max_tokens_per_step: int = 2048,
@@ -208,14 +209,18 @@ class KVCache:
 
     def layer_pools(self, layer: int) -> dict[str, PoolRef]:
         """The pools `layer` reads and writes: 'window', and for compressed layers 'comp_rows' /
-        'comp_entries', and for CSA layers 'index_rows' / 'index_keys'."""
+        'comp_entries', and for CSA layers 'index_rows' / 'index_keys'. Built once per layer."""
+        cached = self._layer_pools.get(layer)
+        if cached is not None:
+            return cached
         view = self._layer_view(layer, None)
         refs = {"window": view.window}
         if view.compressor is not None:
             refs.update(comp_rows=view.compressor.rows, comp_entries=view.compressor.entries)
         if view.indexer is not None:
             refs.update(index_rows=view.indexer.rows, index_keys=view.indexer.entries)
-        return {name: PoolRef(r.pool, r.layer, r.dtype) for name, r in refs.items()}
+        cached = self._layer_pools[layer] = {name: PoolRef(r.pool, r.layer, r.dtype) for name, r in refs.items()}
+        return cached
 
     def new_sequence(self) -> PagedSequence:
         """State of the main model's layers."""

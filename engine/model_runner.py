@@ -16,7 +16,6 @@ from .attention import SeqSlice
 from .cuda_graphs import DecodeGraphs, DecodeRow
 from .kv_cache import KVCache
 from .model import DeepseekV4
-from .request import Request
 from .sampler import apply_penalties, logprobs_of, sample, to_probs
 from .scheduler import Batch, RequestStepOutput, ScheduledRequest
 from .speculative import verify

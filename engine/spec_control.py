@@ -42,7 +42,6 @@ class SpeculationControl:
         self.tried = [0.0] * k  # decayed count of steps in which draft i was verified
         self.accepted = [0.0] * k  # ... and accepted
         self.step_time: dict[tuple[int, int], float] = {}  # (batch bucket, drafts) → seconds
-        self.num_choices = 0
 
     # ---- observations ------------------------------------------------------------------------
     def observe_verification(self, num_drafts: int, num_accepted: int) -> None:
@@ -89,7 +88,6 @@ class SpeculationControl:
 
     def choose(self, num_seqs: int) -> int:
         """Drafts to verify next step for a batch of `num_seqs` sequences."""
-        self.num_choices += 1
         best, best_rate = 0, 0.0
         for d in range(self.k + 1):
             cost = self.step_cost(num_seqs, d)
