@@ -8,6 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
+# Without a GPU, Triton kernels run under Triton's interpreter; it must be chosen before any
+# kernel module is imported (triton.jit reads it at decoration time).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # Two cores on CI: keep torch from oversubscribing when tests start worker processes.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
