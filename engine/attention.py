@@ -1,8 +1,11 @@
 """DeepSeek-V4 attention: shared K=V latent, sink, sliding window, CSA/HCA compressors, indexer.
 
 Projections run once over every token of the step (all sequences flattened, unpadded); the
-parts that read a sequence's history (window, compressor windows, index scores, the attention
-core) run per sequence on `SeqSlice`s, reading and writing its `SequenceState` by position.
+part that reads a sequence's history (window, compressor windows, index scores, the attention
+core) is the step's attention context's job (`ctx.attend`): `SequenceContext` here, for any
+mix of prefill chunks and decodes, or the static-shape `DecodeBatch` (engine/decode_batch.py),
+for decode/verify steps that a CUDA graph can capture. Both state the maths through
+engine/attention_ops.py.
 """
 
 from __future__ import annotations
@@ -13,11 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import attention_decode
+from .attention_ops import finish_entries, index_scores, pool_span, sink_attention, top_k_entries
 from .config import ModelConfig
-from .decode_batch import DecodeBatch
 from .layers import apply_rope, head_rms_norm, rms_norm
-from .seq_state import CompressorState, LayerState, SequenceState
 
 # Queries are processed in blocks so that prefill never materialises a T×T score matrix.
 QUERY_BLOCK = 256
@@ -26,9 +27,10 @@ QUERY_BLOCK = 256
 @dataclass(slots=True)
 class SeqSlice:
     """One sequence's share of a step: tokens [begin, begin+length) of the flattened batch,
-    at absolute positions [start, start+length)."""
+    at absolute positions [start, start+length). `state` is its KV state (dense or paged),
+    addressed by position."""
 
-    state: SequenceState
+    state: object
     start: int
     begin: int
     length: int
@@ -41,7 +43,7 @@ class SeqSlice:
 @dataclass
 class StepRope:
     """cos/sin per flattened token for the two rope flavours ('main' for SWA layers,
-    'compress' for CSA/HCA layers), plus the tables to rotate compressed entries."""
+    'compress' for CSA/HCA layers), plus the table to rotate compressed entries."""
 
     main: tuple[torch.Tensor, torch.Tensor]
     compress: tuple[torch.Tensor, torch.Tensor]
@@ -65,41 +67,16 @@ class Compressor(nn.Module):
         self.ape = nn.Parameter(torch.empty(ratio, width))  # fp32 position bias per window slot
         self.norm = nn.Parameter(torch.empty(out_dim))
 
+    @property
+    def span(self) -> int:
+        """Positions one entry pools: the previous window too when overlapping."""
+        return (2 if self.overlap else 1) * self.ratio
+
     def project(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rows [C | Z + ape] for every token: [T, 2·width], fp32."""
         c = F.linear(x, self.wkv).float()
         z = F.linear(x, self.wgate).float() + self.ape.float()[positions % self.ratio]
         return torch.cat((c, z), dim=-1)
-
-    def step(self, state: CompressorState, rows: torch.Tensor, start: int, rope_table, dtype: torch.dtype) -> int:
-        """Append this step's rows, emit every window they complete; return the entry count."""
-        m = self.ratio
-        n = rows.shape[0]
-        first, last = start // m, (start + n) // m  # entries [first, last) are new
-        if last > first:
-            lo = m * (first - 1) if self.overlap and first > 0 else m * first
-            history = state.rows.read(lo, start)
-            pending = torch.cat((history, rows[: m * last - start]), dim=0)  # positions [lo, m·last)
-            entries = self._pool(pending.view(-1, m, pending.shape[-1]), first)
-            cos, sin = rope_table(torch.arange(first, last, device=rows.device) * m)
-            entries = apply_rope(rms_norm(entries.to(dtype), self.norm, self.eps), cos, sin)
-            state.entries.write(first, entries)
-        state.rows.write(start, rows)
-        return last
-
-    def _pool(self, windows: torch.Tensor, first: int) -> torch.Tensor:
-        """windows: [num_windows(+1 if overlapping and first > 0), m, 2·width] → [new, out_dim]."""
-        d = self.out_dim
-        width = windows.shape[-1] // 2
-        kv, gate = windows[..., :width], windows[..., width:]
-        if self.overlap:
-            if first == 0:  # window −1 does not exist: its Ca slots get zero kv and −inf gate
-                kv = torch.cat((torch.zeros_like(kv[:1]), kv), dim=0)
-                gate = torch.cat((torch.full_like(gate[:1], float("-inf")), gate), dim=0)
-            kv = torch.cat((kv[:-1, :, :d], kv[1:, :, d:]), dim=1)  # [new, 2m, d]: Ca(w−1) ‖ Cb(w)
-            gate = torch.cat((gate[:-1, :, :d], gate[1:, :, d:]), dim=1)
-        weights = torch.softmax(gate, dim=1)
-        return (kv * weights).sum(dim=1)
 
 
 class Indexer(nn.Module):
@@ -113,27 +90,11 @@ class Indexer(nn.Module):
         self.compressor = Compressor(cfg.hidden_size, cfg.index_head_dim, ratio, True, cfg.rms_norm_eps)
 
     def queries(self, q_res: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """(index queries [T, Hi, dI] fp32, head weights [T, Hi] fp32)."""
         q = F.linear(q_res, self.wq_b).view(q_res.shape[0], self.num_heads, self.head_dim)
-        q = apply_rope(q, cos, sin).float()  # [T, Hi, dI]
-        w = F.linear(x, self.weights_proj).float() * self.num_heads**-0.5  # [T, Hi]
+        q = apply_rope(q, cos, sin).float()
+        w = F.linear(x, self.weights_proj).float() * self.num_heads**-0.5
         return q, w
-
-    def scores(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        """Index scores [n, E] = Σ_h w_h · ReLU(q_h · k_e) / √dI (fp32)."""
-        scores = torch.einsum("nhd,ed->nhe", q, keys.float()).relu_() * self.head_dim**-0.5
-        return (scores * w.unsqueeze(-1)).sum(dim=1)
-
-    def select(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-        """Mask [n, E] of the entries each query attends: its top-k visible entries by index
-        score (all visible ones when there are ≤ k); ties go to the lower entry index."""
-        if int(visible.sum(-1).max()) <= self.topk:
-            return visible
-        scores = self.scores(q, w, keys).masked_fill_(~visible, float("-inf"))  # [n, E]
-        # A stable sort breaks exact ties (ReLU zeros are common) by entry index, so the choice
-        # does not depend on how the step was batched or chunked.
-        picked = scores.sort(dim=-1, descending=True, stable=True).indices[:, : self.topk]
-        mask = torch.zeros_like(visible).scatter_(-1, picked, True)
-        return mask & visible
 
 
 class Attention(nn.Module):
@@ -152,10 +113,9 @@ class Attention(nn.Module):
         self.compressor = Compressor(cfg.hidden_size, hd, ratio, kind == "csa", cfg.rms_norm_eps) if ratio else None
         self.indexer = Indexer(cfg, ratio) if kind == "csa" else None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: StepRope, ctx: list[SeqSlice] | DecodeBatch,
-                layer: int) -> torch.Tensor:
-        """x: [T, D] → [T, D]. `ctx` is either the step's sequences (any mix of prefill chunks
-        and decodes) or a static-shape `DecodeBatch` (decode/verify; CUDA-graph capturable)."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: StepRope, ctx, layer: int) -> torch.Tensor:
+        """x: [T, D] → [T, D]. `ctx` is the step's attention context (it reads and writes the KV
+        state of layer `layer`)."""
         cfg = self.cfg
         eps = cfg.rms_norm_eps
         cos, sin = rope.main if self.kind == "swa" else rope.compress
@@ -165,75 +125,100 @@ class Attention(nn.Module):
         kv = apply_rope(rms_norm(F.linear(x, self.wkv), self.kv_norm, eps), cos, sin)  # [T, hd]
         comp_rows = self.compressor.project(x, positions) if self.compressor is not None else None
         idx_rows = self.indexer.compressor.project(x, positions) if self.indexer is not None else None
-        if isinstance(ctx, DecodeBatch):
-            out = attention_decode.attend(self, q, kv, x, q_res, cos, sin, comp_rows, idx_rows,
-                                          rope.compress_table, ctx, layer)
-        else:
-            out = self._attend_sequences(q, kv, x, q_res, cos, sin, comp_rows, idx_rows, rope, ctx, layer)
+        out = ctx.attend(self, layer, q, kv, x, q_res, (cos, sin), comp_rows, idx_rows, rope.compress_table)
         out = apply_rope(out.to(x.dtype), cos, sin, inverse=True)  # undo V's rotation
         grouped = out.view(x.shape[0], cfg.o_groups, -1)  # [T, G, H·hd/G]
         wo_a = self.wo_a.view(cfg.o_groups, cfg.o_lora_rank, -1)
         low = torch.einsum("tgi,goi->tgo", grouped, wo_a).flatten(1)  # [T, G·o_lora]
         return F.linear(low, self.wo_b)
 
-    def _attend_sequences(self, q, kv, x, q_res, cos, sin, comp_rows, idx_rows, rope: StepRope,
-                          seqs: list[SeqSlice], layer: int) -> torch.Tensor:
-        """The per-sequence path: each sequence reads and writes its own state. Returns [T, H, hd] fp32."""
+
+# ---- the per-sequence attention context ------------------------------------------------------
+
+
+def compress_sequence(compressor: Compressor, state, rows: torch.Tensor, start: int, rope_table,
+                      dtype: torch.dtype) -> int:
+    """Append one sequence's new compressor rows (positions [start, start+n)) and write every
+    entry they complete; return the sequence's entry count afterwards.
+
+    state: its `rows` (position → row) and `entries` (index → record) stores. Entry w pools the
+    span of positions ending at m·w + m − 1; positions before 0 are missing."""
+    m, span, n = compressor.ratio, compressor.span, rows.shape[0]
+    first, last = start // m, (start + n) // m  # entries [first, last) are new
+    if last > first:
+        lo = m * first + m - span  # first position the new spans read
+        history = state.rows.read(max(lo, 0), start)
+        pending = torch.cat((history, rows[: m * last - start]), dim=0)  # positions [max(lo, 0), m·last)
+        if lo < 0:  # before the sequence start: zero rows that `missing` takes out
+            pending = torch.cat((pending.new_zeros(-lo, pending.shape[-1]), pending), dim=0)
+        spans = pending.unfold(0, span, m).transpose(-1, -2)  # [new, span, 2·width]
+        pos = torch.arange(lo, m * last, device=rows.device).unfold(0, span, m)  # [new, span]
+        pooled = pool_span(spans, pos < 0, compressor.overlap, m, compressor.out_dim)
+        entries = finish_entries(pooled, compressor, torch.arange(first, last, device=rows.device), rope_table, dtype)
+        state.entries.write(first, entries)
+    state.rows.write(start, rows)
+    return last
+
+
+class SequenceContext:
+    """Attention over the step's sequences one at a time, reading and writing each sequence's
+    state by position: any mix of prefill chunks, decodes and verifications."""
+
+    def __init__(self, seqs: list[SeqSlice]):
+        self.seqs = seqs
+
+    def attend(self, attn: Attention, layer: int, q, kv, x, q_res, rope, comp_rows, idx_rows, rope_table):
+        """q: [T, H, hd]; kv: [T, hd]. Returns [T, H, hd] fp32."""
+        cos, sin = rope
         idx_q = idx_w = None
+        indexer = attn.indexer
         # Index queries matter only once some sequence has more entries than top-k.
-        if self.indexer is not None and max((s.start + s.length) // self.ratio for s in seqs) > self.indexer.topk:
-            idx_q, idx_w = self.indexer.queries(q_res, x, cos, sin)
-        out = torch.empty(x.shape[0], self.cfg.num_heads, self.cfg.head_dim, dtype=torch.float32, device=x.device)
-        for s in seqs:
-            st: LayerState = s.state.layers[layer]
+        if indexer is not None and max((s.start + s.length) // attn.ratio for s in self.seqs) > indexer.topk:
+            idx_q, idx_w = indexer.queries(q_res, x, cos, sin)
+        out = torch.empty(x.shape[0], attn.cfg.num_heads, attn.cfg.head_dim, dtype=torch.float32, device=x.device)
+        for s in self.seqs:
+            st = s.state.layer(layer)
             sl = slice(s.begin, s.end)
             entries = mask = None
-            if self.compressor is not None:
-                count = self.compressor.step(st.compressor, comp_rows[sl], s.start, rope.compress_table, x.dtype)
+            if attn.compressor is not None:
+                count = compress_sequence(attn.compressor, st.compressor, comp_rows[sl], s.start, rope_table, x.dtype)
                 entries = st.compressor.entries.read(count)
                 pos = torch.arange(s.start, s.start + s.length, device=x.device)
-                mask = torch.arange(count, device=x.device)[None, :] < ((pos + 1) // self.ratio)[:, None]
-                if self.indexer is not None:
-                    n_keys = self.indexer.compressor.step(
-                        st.indexer, idx_rows[sl], s.start, rope.compress_table, x.dtype)
-                    keys = st.indexer.entries.read(n_keys)
-                    if idx_q is not None:
-                        mask = self.indexer.select(idx_q[sl], idx_w[sl], keys, mask)
-            out[sl] = self._attend(q[sl].float(), kv[sl], st, s.start, entries, mask)
+                mask = torch.arange(count, device=x.device)[None, :] < ((pos + 1) // attn.ratio)[:, None]  # [n, E]
+                if indexer is not None:
+                    n_keys = compress_sequence(indexer.compressor, st.indexer, idx_rows[sl], s.start, rope_table,
+                                               x.dtype)
+                    if idx_q is not None and count > indexer.topk:
+                        keys = st.indexer.entries.read(n_keys)
+                        scores = index_scores(idx_q[sl][None], idx_w[sl][None], keys[None], indexer.head_dim)[0]
+                        picked, valid = top_k_entries(scores, mask, indexer.topk)
+                        mask = torch.zeros_like(mask).scatter_(-1, picked, valid)
+            out[sl] = self._attend_one(attn, q[sl].float(), kv[sl], st, s.start, entries, mask)
         return out
 
-    def _attend(self, q: torch.Tensor, kv_new: torch.Tensor, st: LayerState, start: int,
-                entries: torch.Tensor | None, entry_mask: torch.Tensor | None) -> torch.Tensor:
-        """Sliding-window + compressed-entry attention with a sink for one sequence.
+    @staticmethod
+    def _attend_one(attn: Attention, q: torch.Tensor, kv_new: torch.Tensor, st, start: int,
+                    entries: torch.Tensor | None, entry_mask: torch.Tensor | None) -> torch.Tensor:
+        """Sliding-window + compressed-entry attention for one sequence.
 
         q: [n, H, hd] fp32; kv_new: [n, hd]; entries: [E, hd]; entry_mask: [n, E] (True = attend).
         """
         n = q.shape[0]
-        window = self.cfg.sliding_window
+        window = attn.cfg.sliding_window
         kbase = max(0, start - window + 1)
         keys = torch.cat((st.window.read(kbase, start), kv_new), dim=0).float()  # positions [kbase, start+n)
         st.window.write(start, kv_new)
         comp = entries.float() if entries is not None and entries.shape[0] else None
-        scale = self.cfg.head_dim**-0.5
-        sink = self.attn_sink.float().view(1, -1, 1)
+        scale = attn.cfg.head_dim**-0.5
         out = torch.empty_like(q)
         for a in range(0, n, QUERY_BLOCK):
             b = min(n, a + QUERY_BLOCK)
             qpos = torch.arange(start + a, start + b, device=q.device)
             lo = max(kbase, start + a - window + 1)
-            k = keys[lo - kbase : start + b - kbase]  # [L, hd]
             kpos = torch.arange(lo, start + b, device=q.device)
-            in_window = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] > qpos[:, None] - window)
-            logits = torch.einsum("nhd,ld->nhl", q[a:b], k) * scale
-            logits = logits.masked_fill(~in_window[:, None, :], float("-inf"))
-            parts = [logits]
+            in_window = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] > qpos[:, None] - window)  # [nb, L]
+            sources = [(keys[lo - kbase : start + b - kbase][None], in_window[None])]
             if comp is not None:
-                clog = torch.einsum("nhd,ed->nhe", q[a:b], comp) * scale
-                parts.append(clog.masked_fill(~entry_mask[a:b, None, :], float("-inf")))
-            parts.append(sink.expand(b - a, -1, 1))
-            probs = torch.softmax(torch.cat(parts, dim=-1), dim=-1)
-            o = torch.einsum("nhl,ld->nhd", probs[..., : k.shape[0]], k)
-            if comp is not None:
-                o = o + torch.einsum("nhe,ed->nhd", probs[..., k.shape[0] : -1], comp)
-            out[a:b] = o
+                sources.append((comp[None], entry_mask[a:b][None]))
+            out[a:b] = sink_attention(q[a:b][None], sources, attn.attn_sink, scale)[0]
         return out

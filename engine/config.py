@@ -1,4 +1,6 @@
-"""Model configuration: one frozen dataclass read from a Hugging Face `config.json`.
+"""Configuration: the model's (`ModelConfig`, read from a Hugging Face `config.json`) and the
+engine's (`EngineConfig`, built from CLI flags or the offline API). Neither imports torch, so the
+HTTP process can read them without loading the engine.
 
 Both config dialects of DeepSeek-V4 are accepted:
   * the transformers dialect (`layer_types`, `compress_rates`, `mlp_layer_types`,
@@ -12,9 +14,11 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v4",)
 
@@ -370,3 +374,85 @@ def _validate(cfg: ModelConfig) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(f"config.json: {message}")
+
+
+# ---- the engine's configuration --------------------------------------------------------------
+
+MODES = ("throughput", "single-user")
+COMPUTE_DTYPES = ("auto", "bf16", "fp32")
+KV_DTYPES = ("auto", "bf16", "fp8", "fp4")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """One device's engine. `None` fields take the mode's default (see `resolved`). It reaches a
+    worker process as JSON (`to_json` / `from_json`), typed and checked on the way in."""
+
+    mode: str = "throughput"
+    dtype: str = "auto"  # compute dtype: auto = fp32 on CPU, bf16 on GPU
+    kv_dtype: str = "auto"  # auto = the compute dtype (exact); bf16 | fp8 | fp4
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None  # None = min(model max, 32768)
+    speculative_tokens: int | None = None
+    kv_cache_memory_bytes: int = 2 << 30
+    num_kv_blocks: int | None = None  # overrides the memory budget for the growable (full) pools
+    block_size: int = 256
+    cuda_graph_sizes: tuple[int, ...] = ()
+    # Static-shape decode/verify steps (captured as CUDA graphs on GPU). None = the device's
+    # default: on for CUDA unless enforce_eager, off on CPU.
+    static_decode: bool | None = None
+    enforce_eager: bool = False  # never capture CUDA graphs (a static path, if on, runs uncaptured)
+    # Verify only as many of the k drafts as pay for themselves (engine/spec_control.py).
+    adaptive_speculation: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.mode in MODES, "mode", f"must be one of {', '.join(MODES)}"),
+            (self.dtype in COMPUTE_DTYPES, "dtype", f"must be one of {', '.join(COMPUTE_DTYPES)}"),
+            (self.kv_dtype in KV_DTYPES, "kv_dtype", f"must be one of {', '.join(KV_DTYPES)}"),
+            (all(s >= 1 for s in self.cuda_graph_sizes), "cuda_graph_sizes", "must be positive batch sizes"),
+            (self.max_num_seqs is None or self.max_num_seqs >= 1, "max_num_seqs", "must be ≥ 1"),
+            (self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
+             "must be ≥ 1"),
+            (self.max_model_len is None or self.max_model_len >= 2, "max_model_len", "must be ≥ 2"),
+            (self.speculative_tokens is None or 0 <= self.speculative_tokens <= 8, "speculative_tokens",
+             "must be in [0, 8]"),
+            (self.block_size >= 1, "block_size", "must be ≥ 1"),
+            (self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes", "must be positive"),
+        ]
+        for ok, name, rule in checks:
+            if not ok:
+                raise ConfigError(f"--{name.replace('_', '-')} {rule}, got {getattr(self, name)!r}")
+
+    def resolved(self) -> "EngineConfig":
+        """Fill the mode-dependent defaults."""
+        single = self.mode == "single-user"
+        defaults = {
+            "max_num_seqs": 4 if single else 64,
+            "max_num_batched_tokens": 1024 if single else 2048,
+            "speculative_tokens": 3 if single else 0,
+            "cuda_graph_sizes": (1, 2, 4) if single else (1, 2, 4, 8, 16, 32, 64),
+        }
+        values = {k: (getattr(self, k) if getattr(self, k) not in (None, ()) else v) for k, v in defaults.items()}
+        if single and values["max_num_seqs"] > 4:
+            raise ConfigError("--mode single-user runs at most 4 sequences")
+        return replace(self, **values)
+
+    def context_length(self, model: ModelConfig) -> int:
+        """Tokens one sequence may hold: --max-model-len, or min(the model's, 32768)."""
+        return self.max_model_len or min(model.max_position_embeddings, 32768)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self) -> bytes:
+        return msgspec.json.encode(self)
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> "EngineConfig":
+        try:
+            return msgspec.json.decode(data, type=cls)
+        except msgspec.ValidationError as exc:
+            raise ConfigError(f"engine config: {exc}") from None

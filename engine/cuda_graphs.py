@@ -1,4 +1,5 @@
-"""Decode and verify steps, and MTP draft steps, replayed from CUDA graphs.
+"""The static-shape attention backend: decode and verify steps, and MTP draft steps, replayed
+from CUDA graphs (see engine/attention_backend.py for the backend interface).
 
 A shape is (kind, batch size B, tokens per sequence q, context bucket C): kind 'model' (the
 target model's decode/verify step) or 'mtp' (one application of the MTP layer to the previous
@@ -23,8 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .attention_backend import StepSeq
 from .decode_batch import DecodeBatch
-from .kv_cache import KVCache, PagedSequence
+from .kv_cache import KVCache
 from .model import DeepseekV4
 
 logger = logging.getLogger(__name__)
@@ -52,16 +54,27 @@ class _Shape:
     logits: torch.Tensor | None = None  # [B·q, vocab] fp32
 
 
-@dataclass(slots=True)
-class DecodeRow:
-    """One live sequence of a decode/verify step."""
+class StaticStep:
+    """A prepared static-shape step: its shape's buffers hold the live rows, padding after them."""
 
-    seq: PagedSequence
-    start: int
-    token_ids: list[int]  # q tokens at positions [start, start + q)
+    def __init__(self, backend: "StaticDecodeBackend", shape: _Shape, num_rows: int):
+        self.backend, self.shape, self.num_rows = backend, shape, num_rows
+
+    def run(self, model, logit_rows: list[int] | None, inputs: torch.Tensor | None = None):
+        """Streams [n·q, hc, D] of the live rows and the logits of `logit_rows` (None: all):
+        views of static outputs where possible, valid until the next run. 'mtp' shapes take the
+        previous draft's streams `inputs` [n, hc, D]. The graph computes every row's logits; rows
+        are increasing, so asking for n of n rows means all of them."""
+        shape = self.shape
+        if shape.inputs is not None:
+            shape.inputs[: self.num_rows].copy_(inputs)
+        self.backend.replay(shape)
+        n = self.num_rows * shape.batch.tokens_per_seq
+        logits = shape.logits[:n] if logit_rows is None or len(logit_rows) == n else shape.logits[logit_rows]
+        return shape.streams[:n], logits
 
 
-class DecodeGraphs:
+class StaticDecodeBackend:
     def __init__(self, model: DeepseekV4, cache: KVCache, batch_sizes: tuple[int, ...],
                  tokens_per_seq: tuple[int, ...], max_model_len: int, capture: bool, draft_steps: bool = False):
         if not batch_sizes or min(batch_sizes) < 1:
@@ -100,6 +113,22 @@ class DecodeGraphs:
         size = next((s for s in self.batch_sizes if s >= num_seqs), None)
         return None if size is None else ("mtp", size, 1, self.buckets[0])
 
+    def prepare(self, rows: list[StepSeq], kind: str = "model") -> StaticStep | None:
+        """Fill the smallest shape that holds these rows (all with the same number q of tokens),
+        or None when none does (mixed lengths, too many rows, a context beyond the buckets)."""
+        q = len(rows[0].token_ids)
+        if any(len(r.token_ids) != q for r in rows):
+            return None
+        if kind == "mtp":
+            key = self.mtp_shape_for(len(rows)) if q == 1 else None
+        else:
+            key = self.shape_for(len(rows), q, max(r.start for r in rows) + q)
+        if key is None:
+            return None
+        shape = self._get(key)
+        shape.batch.fill([self._row(r, shape.batch) for r in rows])
+        return StaticStep(self, shape, len(rows))
+
     def _get(self, key: Key) -> _Shape:
         shape = self._shapes.get(key)
         if shape is None:
@@ -117,26 +146,16 @@ class DecodeGraphs:
 
     # ---- running -----------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, key: Key, rows: list[DecodeRow], inputs: torch.Tensor | None = None,
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Streams [n·q, hc, D] and logits [n·q, vocab] of the live rows (views of static
-        outputs: consume them before the next run). 'mtp' shapes take the previous draft's
-        streams `inputs` [n, hc, D]; their rows' token is that draft."""
-        shape = self._get(key)
-        batch = shape.batch
-        batch.fill([self._row(r, batch) for r in rows])
-        if shape.inputs is not None:
-            shape.inputs[: len(rows)].copy_(inputs)
+    def replay(self, shape: _Shape) -> None:
+        """Run a filled shape: replay its graph, or its static forward eagerly when uncaptured."""
         self.num_runs += 1
         if shape.graph is not None:
             shape.graph.replay()
             self.num_replays += 1
         else:
             shape.streams, shape.logits = self._forward(shape)
-        n = len(rows) * batch.tokens_per_seq
-        return shape.streams[:n], shape.logits[:n]
 
-    def _row(self, row: DecodeRow, batch: DecodeBatch):
+    def _row(self, row: StepSeq, batch: DecodeBatch):
         """The part of a sequence's tables this step reads: full blocks from 0 up to the shape's
         context, sliding blocks from the one holding position start − keep (what the block
         manager keeps readable) on. Tables may hold more (blocks allocated for drafts)."""

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from . import attention_decode
 from .kv_cache import KVCache
 
 
@@ -92,6 +93,10 @@ class DecodeBatch:
         per_block = self.cache.layout.block_size // tokens_per_record
         ids = self.full_table.gather(1, torch.div(entry, per_block, rounding_mode="floor"))
         return ids * per_block + entry.remainder(per_block)
+
+    def attend(self, attn, layer: int, q, kv, x, q_res, rope, comp_rows, idx_rows, rope_table) -> torch.Tensor:
+        """The attention context interface (see engine/attention.py): [T, H, hd] fp32."""
+        return attention_decode.attend(attn, layer, q, kv, x, q_res, rope, comp_rows, idx_rows, rope_table, self)
 
     # ---- filling (host side, outside any graph) -------------------------------------------------
     def fill(self, rows: list[tuple[list[int], int, list[int], list[int], int]]) -> None:

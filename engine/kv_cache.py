@@ -130,20 +130,22 @@ class _LayerView:
 
 
 class PagedSequence:
-    """A sequence's state in the shared pools; same contract as `SequenceState`."""
+    """A sequence's state in the shared pools (every layer, MTP layers after the model's); same
+    position-indexed contract as the dense `SequenceState`."""
 
-    def __init__(self, cache: "KVCache", layers: list[int], table: BlockTable | None = None):
+    def __init__(self, cache: "KVCache", num_layers: int):
         self.cache = cache
-        self.table = table if table is not None else BlockTable()
-        self.num_tokens = 0
-        self.slack = cache.manager.slack
-        slots = _Slots(self.table, cache.layout.block_size, cache.device)
-        self.layers = [cache._layer_view(layer, slots) for layer in layers]
+        self.table = BlockTable()
+        self._slots = _Slots(self.table, cache.layout.block_size, cache.device)
+        self._views: dict[int, _LayerView] = {}
+        self.num_layers = num_layers
 
-    def rewind(self, num_tokens: int) -> None:
-        if not (self.num_tokens - self.slack <= num_tokens <= self.num_tokens):
-            raise ValueError(f"cannot rewind from {self.num_tokens} to {num_tokens} (slack {self.slack})")
-        self.num_tokens = num_tokens
+    def layer(self, index: int) -> "_LayerView":
+        view = self._views.get(index)
+        if view is None:
+            assert 0 <= index < self.num_layers, index
+            view = self._views[index] = self.cache._layer_view(index, self._slots)
+        return view
 
 
 class KVCache:
@@ -152,6 +154,7 @@ class KVCache:
     def __init__(self, cfg: ModelConfig, layout: KVLayout, num_full_blocks: int, num_sliding_blocks: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu", slack: int = 8):
         self.cfg, self.layout, self.dtype, self.device = cfg, layout, dtype, device
+        self.num_mtp_layers = max(layout.pool("swa").layers) + 1 - cfg.num_layers  # window-only layers
         self.manager = BlockManager(layout, num_full_blocks, num_sliding_blocks, slack)
         self.pools = {
             spec.name: Pool(spec, num_full_blocks if spec.group == "full" else num_sliding_blocks,
@@ -223,17 +226,12 @@ class KVCache:
         return cached
 
     def new_sequence(self) -> PagedSequence:
-        """State of the main model's layers."""
-        return PagedSequence(self, list(range(self.cfg.num_layers)))
-
-    def new_mtp_sequence(self, main: PagedSequence, index: int = 0) -> PagedSequence:
-        """State of MTP layer `index`; it shares the main sequence's block table (same positions),
-        so its window costs no extra allocation."""
-        return PagedSequence(self, [self.cfg.num_layers + index], table=main.table)
+        """State of every layer of one sequence (the MTP layers share its block table: same
+        positions, so their windows cost no extra allocation)."""
+        return PagedSequence(self, self.cfg.num_layers + self.num_mtp_layers)
 
     def allocate(self, seq: PagedSequence, start: int, end: int) -> bool:
         return self.manager.allocate(seq.table, start, end)
 
     def free(self, seq: PagedSequence) -> None:
         self.manager.free(seq.table)
-        seq.num_tokens = 0

@@ -11,9 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import Attention, SeqSlice, StepRope
+from .attention import Attention, StepRope
 from .config import ModelConfig
-from .decode_batch import DecodeBatch
 from .layers import RotaryTable, hc_collapse, hc_expand, hc_head_collapse, hc_mix_weights, rms_norm
 from .moe import MoE
 from .seq_state import SequenceState
@@ -46,7 +45,7 @@ class Block(nn.Module):
         self.ffn = MoE(cfg, hash_routing)
 
     def forward(self, streams: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor, rope: StepRope,
-                ctx: list[SeqSlice] | DecodeBatch, layer: int) -> torch.Tensor:
+                ctx, layer: int) -> torch.Tensor:
         """streams: [T, n, D] → [T, n, D]."""
         eps = self.cfg.rms_norm_eps
         pre, post, comb = self.hc_attn.weights(streams, self.cfg)
@@ -94,31 +93,25 @@ class DeepseekV4(nn.Module):
         return self.embed.device
 
     def new_state(self, slack: int = 8) -> SequenceState:
+        """A dense state for every layer, MTP layers (window only) after the model's."""
         cfg = self.cfg
-        return SequenceState(cfg, list(cfg.layer_kinds), list(cfg.compress_ratios), self.dtype, self.device, slack)
+        kinds = list(cfg.layer_kinds) + ["swa"] * len(self.mtp)
+        ratios = list(cfg.compress_ratios) + [0] * len(self.mtp)
+        return SequenceState(cfg, kinds, ratios, self.dtype, self.device, slack)
 
     def step_rope(self, positions: torch.Tensor) -> StepRope:
         return StepRope(self.rope_main(positions), self.rope_compress(positions), self.rope_compress)
 
     # ---- forward ---------------------------------------------------------------------------
-    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor,
-                ctx: list[SeqSlice] | DecodeBatch) -> torch.Tensor:
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         """token_ids, positions: [T]. Returns the final residual streams [T, n, D] (pre hc-head).
 
-        With a list of SeqSlices, each `start` must equal its state's `num_tokens` (or rewind
-        into its slack); afterwards every state holds start + length tokens. A `DecodeBatch`
-        touches no host state (the caller keeps the sequences' counters), so it can be captured.
-        """
-        seqs = ctx if isinstance(ctx, list) else []
-        for s in seqs:
-            if s.start != s.state.num_tokens:
-                s.state.rewind(s.start)
+        `ctx` is the step's attention context (engine/attention.py `SequenceContext`, or a
+        static-shape `DecodeBatch`): it says where each token's KV lives and is written."""
         rope = self.step_rope(positions)
         streams = self.embed[token_ids].unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         for i, block in enumerate(self.layers):
             streams = block(streams, token_ids, positions, rope, ctx, i)
-        for s in seqs:
-            s.state.num_tokens = s.start + s.length
         return streams
 
     def logits(self, streams: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,10 @@
-"""One engine step on the model: Batch → tensors → target forward → sample / verify → MTP drafts.
+"""One engine step on the model: Batch → target forward → sample / verify → MTP drafts → StepOutput.
 
 Rows that need logits are the last (1 + drafts) positions of every request whose step reaches
 the end of its known tokens. With speculation on, the MTP head then consumes the target's
-accepted rows (keeping its own window in step with the model's) and drafts k tokens for the
-next step by applying the single MTP layer k times to its own output.
+accepted rows (keeping its own window in step with the model's) and drafts tokens for the next
+step by applying the single MTP layer to its own output. The runner reads requests and never
+writes them: everything a step produced is in the returned `StepOutput`.
 """
 
 from __future__ import annotations
@@ -12,107 +13,63 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import SeqSlice
-from .cuda_graphs import DecodeGraphs, DecodeRow
+from .attention_backend import SequenceBackend, StepSeq
+from .batch import Batch, RequestStepOutput, ScheduledRequest, StepOutput
+from .cuda_graphs import StaticDecodeBackend
 from .kv_cache import KVCache
 from .model import DeepseekV4
 from .sampler import apply_penalties, logprobs_of, sample, to_probs
-from .scheduler import Batch, RequestStepOutput, ScheduledRequest
 from .speculative import verify
 
 
 @dataclass(slots=True)
 class _Pending:
-    """A request that samples this step, with its rows in the flattened batch."""
+    """A request that samples this step, with its rows in the logits tensor."""
 
     sched: ScheduledRequest
-    logit_rows: slice  # its rows in the logits tensor (first: in the step's flattened batch)
+    logit_rows: slice
 
 
 class ModelRunner:
     def __init__(self, model: DeepseekV4, cache: KVCache, num_speculative_tokens: int = 0,
-                 graphs: DecodeGraphs | None = None):
+                 static: StaticDecodeBackend | None = None):
         if num_speculative_tokens and not len(model.mtp):
             raise ValueError("--speculative-tokens needs a checkpoint with MTP weights (num_nextn_predict_layers ≥ 1)")
         self.model, self.cache, self.k = model, cache, num_speculative_tokens
-        self.graphs = graphs  # the static-shape decode/verify path; None = always per-sequence
-        self.num_drafts = num_speculative_tokens  # drafts to propose this step (≤ k; set by the engine)
         self.device = model.device
+        self.static = static  # the static-shape (CUDA graph) backend; None = always per-sequence
+        self.backends = ([static] if static is not None else []) + [SequenceBackend(self.device)]
         # Test hook replacing MTP drafts (e.g. to force wrong ones): f(request, accepted_now, drafts) -> drafts.
         self.draft_override = None
 
+    def _prepare(self, rows: list[StepSeq], kind: str = "model"):
+        """The first backend that takes the step (the per-sequence one always does)."""
+        for backend in self.backends:
+            step = backend.prepare(rows, kind)
+            if step is not None:
+                return step
+        raise AssertionError("the sequence backend accepts every step")
+
     @torch.inference_mode()
-    def execute(self, batch: Batch) -> dict[str, RequestStepOutput]:
-        step_tokens = [self._step_tokens(s) for s in batch.scheduled]
-        streams, logits = self._decode_static(batch, step_tokens)
-        pending, end = [], 0
+    def execute(self, batch: Batch, num_drafts: int | None = None) -> StepOutput:
+        """Run the step. `num_drafts` (≤ k; default k) is how many drafts to propose for the next step."""
+        num_drafts = self.k if num_drafts is None else num_drafts
+        rows = [StepSeq(s.request.seq, s.start, s.token_ids()) for s in batch.scheduled]
+        pending, logit_rows, end = [], [], 0
         for s in batch.scheduled:
             end += s.num_tokens
             if s.reaches_end:  # its last (1 + drafts) rows need logits
-                pending.append(_Pending(s, slice(end - 1 - s.num_draft, end)))
-        if streams is None:  # the per-sequence path: any mix of prefill chunks and decodes
-            streams = self._forward_sequences(batch, step_tokens)
-            rows = [r for p in pending for r in range(p.logit_rows.start, p.logit_rows.stop)]
-            logits = self.model.logits(streams[rows]) if pending else None
-            offset = 0
-            for p in pending:  # rows of `logits` are the pending rows, packed
-                n = p.logit_rows.stop - p.logit_rows.start
-                p.logit_rows, offset = slice(offset, offset + n), offset + n
-        outputs: dict[str, RequestStepOutput] = {}
-        if pending:
-            outputs = self._sample(pending, logits)
+                n = 1 + s.num_draft
+                pending.append(_Pending(s, slice(len(logit_rows), len(logit_rows) + n)))
+                logit_rows.extend(range(end - n, end))
+        streams, logits = self._prepare(rows).run(self.model, logit_rows)
+        outputs = self._sample(pending, logits) if pending else {}
         if self.k:
-            self._run_mtp(batch, streams, outputs)
-        return outputs
-
-    @staticmethod
-    def _step_tokens(s: ScheduledRequest) -> list[int]:
-        """Token ids at positions [start, start + num_tokens): known tokens, then trailing drafts."""
-        req = s.request
-        end = s.start + s.num_tokens
-        tokens = req.token_ids[s.start : end]
-        known = len(req.token_ids)
-        if end > known:  # verification
-            tokens = tokens + req.draft_token_ids[max(0, s.start - known) : end - known]
-        return tokens
-
-    def _forward_sequences(self, batch: Batch, step_tokens: list[list[int]]) -> torch.Tensor:
-        tokens, positions, seqs, begin = [], [], [], 0
-        for s, ids in zip(batch.scheduled, step_tokens):
-            n = s.num_tokens
-            tokens += ids
-            if n == 1:
-                positions.append(s.start)
-            else:
-                positions += range(s.start, s.start + n)
-            seqs.append(SeqSlice(s.request.seq, s.start, begin, n))
-            begin += n
-        return self.model(torch.tensor(tokens, device=self.device), torch.tensor(positions, device=self.device), seqs)
-
-    def _decode_static(self, batch: Batch, step_tokens: list[list[int]]):
-        """(streams, logits) from the static-shape decode path (a CUDA graph replay on GPU), or
-        (None, None) when the step is not a uniform decode/verify step that a shape holds."""
-        if self.graphs is None:
-            return None, None
-        q = batch.scheduled[0].num_tokens
-        if any(not s.reaches_end or s.num_tokens != q or s.num_draft != q - 1 for s in batch.scheduled):
-            return None, None
-        key = self.graphs.shape_for(len(batch.scheduled), q, max(s.start for s in batch.scheduled) + q)
-        if key is None:
-            return None, None
-        rows = []
-        for s, ids in zip(batch.scheduled, step_tokens):
-            seq = s.request.seq
-            if s.start != seq.num_tokens:
-                seq.rewind(s.start)  # rejected drafts of the previous step
-            rows.append(DecodeRow(seq, s.start, ids))
-        streams, logits = self.graphs.run(key, rows)
-        for s in batch.scheduled:
-            s.request.seq.num_tokens = s.start + q
-        return streams, logits
+            self._run_mtp(batch, streams, outputs, num_drafts)
+        return StepOutput(outputs)
 
     # ---- sampling and verification ----------------------------------------------------------
-    def _sample(self, pending: list[_Pending], logits: torch.Tensor) -> dict[str, RequestStepOutput]:
+    def _sample(self, pending: list[_Pending], logits: torch.Tensor) -> dict[int, RequestStepOutput]:
         """Sample every row at once; requests with drafts then verify them row by row."""
         finite = torch.isfinite(logits).all(dim=-1)
         bad_rows = set() if bool(finite.all()) else set(torch.nonzero(~finite).flatten().tolist())
@@ -171,11 +128,11 @@ class ModelRunner:
             i += n
 
     # ---- MTP drafting ------------------------------------------------------------------------
-    def _run_mtp(self, batch: Batch, streams: torch.Tensor, outputs: dict[str, RequestStepOutput]) -> None:
+    def _run_mtp(self, batch: Batch, streams: torch.Tensor, outputs: dict[int, RequestStepOutput],
+                 num_drafts: int) -> None:
         """Feed the MTP layer every accepted row of this step, then draft `num_drafts` tokens per
         request that sampled. Row at position q pairs the target's streams at q with token q + 1."""
-        mtp = self.model.mtp[0]
-        rows, next_tokens, positions, seqs, drafting = [], [], [], [], []
+        rows, mtp_rows, drafting = [], [], []
         begin = offset = 0  # row in the MTP batch / row in the target batch
         for s in batch.scheduled:
             offset += s.num_tokens
@@ -187,73 +144,48 @@ class ModelRunner:
             accepted = out.accepted if out is not None else []
             n = s.num_tokens - (s.num_draft - max(len(accepted) - 1, 0)) if out is not None else s.num_tokens
             committed_end = s.start + n  # token at committed_end comes from `accepted`
-            if req.mtp_seq is None:
-                req.mtp_seq = self.cache.new_mtp_sequence(req.seq)
-            base = s.request.token_ids
-            for q in range(s.start, s.start + n):
-                nxt = q + 1
-                next_tokens.append(base[nxt] if nxt < len(base) else accepted[nxt - len(base)])
+            base = req.token_ids
+            next_tokens = [base[q + 1] if q + 1 < len(base) else accepted[q + 1 - len(base)]
+                           for q in range(s.start, s.start + n)]
             rows.extend(range(s_offset, s_offset + n))
-            positions.extend(range(s.start, s.start + n))
-            seqs.append(SeqSlice(req.mtp_seq, s.start, begin, n))
+            mtp_rows.append(StepSeq(req.seq, s.start, next_tokens))
             if out is not None:
                 drafting.append((req, out, begin + n - 1, committed_end))
             begin += n
         if not rows:
             return
-        h = mtp(self.model, streams[rows], torch.tensor(next_tokens, device=self.device),
-                torch.tensor(positions, device=self.device), seqs)
-        self._draft(drafting, h)
+        last_rows = [row for _, _, row, _ in drafting] if num_drafts else []
+        h, logits = self._prepare(mtp_rows, "mtp").run(self.model, last_rows, inputs=streams[rows])
+        if num_drafts and drafting:  # else the MTP state was kept in step, with nothing to propose
+            self._draft(drafting, h, logits, num_drafts)
 
-    def _draft(self, drafting, h: torch.Tensor) -> None:
-        mtp = self.model.mtp[0]
-        if self.num_drafts == 0:  # speculation turned down: the MTP state was kept in step, nothing to propose
-            return
-        live = []
-        for req, out, row, committed_end in drafting:
+    def _draft(self, drafting, h: torch.Tensor, logits: torch.Tensor, num_drafts: int) -> None:
+        live, keep = [], []
+        for j, (req, out, row, committed_end) in enumerate(drafting):
             # Drafting writes the MTP window up to position committed_end + drafts − 2.
-            if self.cache.allocate(req.seq, committed_end, committed_end + self.num_drafts):
+            if self.cache.allocate(req.seq, committed_end, committed_end + num_drafts):
                 live.append((req, out, row, committed_end))
+                keep.append(j)
         if not live:
             return
         cur = h[[row for _, _, row, _ in live]]  # [R, n, D] MTP streams at each last accepted row
+        logits = logits[keep]
         params = [req.params for req, *_ in live]
-        drafts = [[] for _ in live]
+        drafts: list[list[int]] = [[] for _ in live]
         probs_per_step = []
-        logits = mtp.logits(self.model, cur)
-        key = self.graphs.mtp_shape_for(len(live)) if self.graphs is not None else None
-        for step in range(self.num_drafts):
+        for step in range(num_drafts):
             probs = to_probs(logits, params)
             tok = sample(probs, [req.generator for req, *_ in live])
             probs_per_step.append(probs)
             tok_list = tok.tolist()
             for j, t in enumerate(tok_list):
                 drafts[j].append(t)
-            if step + 1 == self.num_drafts:
+            if step + 1 == num_drafts:
                 break
-            if key is not None:  # the draft step from a CUDA graph (static shape)
-                cur, logits = self._draft_step_static(key, live, step, tok_list, cur)
-                continue
-            pos = torch.tensor([ce + step for *_, ce in live], device=self.device)
-            seqs = [SeqSlice(req.mtp_seq, ce + step, j, 1) for j, (req, _, _, ce) in enumerate(live)]
-            cur = mtp(self.model, cur, tok, pos, seqs)
-            logits = mtp.logits(self.model, cur)
+            rows = [StepSeq(req.seq, ce + step, [t]) for (req, _, _, ce), t in zip(live, tok_list)]
+            cur, logits = self._prepare(rows, "mtp").run(self.model, list(range(len(rows))), inputs=cur)
         stacked = torch.stack(probs_per_step, dim=1)  # [R, k, V]
         for j, (req, out, _, _) in enumerate(live):
             proposed = drafts[j] if self.draft_override is None else self.draft_override(req, out.accepted, drafts[j])
-            out.drafts = proposed[: self.num_drafts]
-            req.draft_probs = None if (req.params.greedy or self.draft_override) else stacked[j]
-
-    def _draft_step_static(self, key, live, step: int, tokens: list[int], cur: torch.Tensor):
-        """One MTP application to every live request's previous draft at position
-        committed_end + step, on the static path; keeps the MTP states' counters."""
-        rows = []
-        for (req, _, _, committed_end), token in zip(live, tokens):
-            pos = committed_end + step
-            if req.mtp_seq.num_tokens != pos:
-                req.mtp_seq.rewind(pos)
-            rows.append(DecodeRow(req.seq, pos, [token]))  # the MTP state shares the main block table
-        streams, logits = self.graphs.run(key, rows, cur)
-        for req, _, _, committed_end in live:
-            req.mtp_seq.num_tokens = committed_end + step + 1
-        return streams, logits
+            out.drafts = proposed[:num_drafts]
+            out.draft_probs = None if (req.params.greedy or self.draft_override) else stacked[j]

@@ -16,12 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import SeqSlice
 from .config import ModelConfig
-from .decode_batch import DecodeBatch
 from .layers import rms_norm
 from .model import Block, DeepseekV4, HyperHead
-from .seq_state import SequenceState
 
 
 class MTPLayer(nn.Module):
@@ -38,29 +35,16 @@ class MTPLayer(nn.Module):
         self.hc_head = HyperHead(cfg)
         self.norm = nn.Parameter(torch.empty(d))
 
-    def new_state(self, model: DeepseekV4, slack: int = 8) -> SequenceState:
-        return SequenceState(self.cfg, ["swa"], [0], model.dtype, model.device, slack)
-
     def forward(self, model: DeepseekV4, streams: torch.Tensor, next_token_ids: torch.Tensor,
-                positions: torch.Tensor, ctx: list[SeqSlice] | DecodeBatch) -> torch.Tensor:
+                positions: torch.Tensor, ctx) -> torch.Tensor:
         """streams: [T, n, D] target streams at `positions`; next_token_ids: [T]. Returns [T, n, D].
-
-        A list of SeqSlices carries this layer's own sequence states (see `new_state`); a static
-        `DecodeBatch` (the main sequences' tables) addresses its pools by `layer_id`."""
+        `ctx` is an attention context over the same sequences; this layer's KV is its `layer_id`."""
         eps = self.cfg.rms_norm_eps
-        seqs = ctx if isinstance(ctx, list) else []
-        for s in seqs:
-            if s.start != s.state.num_tokens:
-                s.state.rewind(s.start)
         emb = model.embed[next_token_ids]
         emb = torch.where((positions == 0)[:, None], torch.zeros_like(emb), emb)
         h = F.linear(rms_norm(streams, self.hnorm, eps), self.h_proj)  # [T, n, D]
         h = h + F.linear(rms_norm(emb, self.enorm, eps), self.e_proj).unsqueeze(1)
-        layer = 0 if isinstance(ctx, list) else self.layer_id
-        out = self.block(h, next_token_ids, positions, model.step_rope(positions), ctx, layer)
-        for s in seqs:
-            s.state.num_tokens = s.start + s.length
-        return out
+        return self.block(h, next_token_ids, positions, model.step_rope(positions), ctx, self.layer_id)
 
     def logits(self, model: DeepseekV4, streams: torch.Tensor) -> torch.Tensor:
         x = rms_norm(self.hc_head(streams, self.cfg), self.norm, self.cfg.rms_norm_eps)

@@ -1,12 +1,12 @@
 """A request's state is a handful of counters over one token list.
 
     token_ids            prompt + accepted output tokens ("known")
-    draft_token_ids      speculative tokens proposed by the MTP head, not yet verified
+    draft_token_ids      speculative tokens proposed by the draft head, not yet verified
     num_computed_tokens  positions whose KV is in the cache
 
 Every step lets `num_computed_tokens` catch up with `len(token_ids) + len(draft_token_ids)`
 under the token budget; chunked prefill, decode and verification are that one arithmetic.
-After a step, rejected drafts are subtracted again and the cache state is rewound.
+After a step, rejected drafts are subtracted again. Only the scheduler writes these fields.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .sampling import SamplingParams
+from ipc.messages import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -39,27 +39,26 @@ class RequestError(ValueError):
 
 @dataclass(eq=False)
 class Request:
-    request_id: str
+    request_id: int
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float = field(default_factory=time.monotonic)
+    scheduled_time: float | None = None  # when it was first scheduled (queue time ends)
     token_ids: list[int] = field(init=False)
     draft_token_ids: list[int] = field(default_factory=list)
+    # Draft distributions [k, V] of sampled (non-greedy) drafts, needed to verify them; None for
+    # one-hot (greedy) drafts.
+    draft_probs: torch.Tensor | None = None
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     error: str | None = None
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     num_preemptions: int = 0
-    # Engine-owned handles: the paged state of the main model and of the MTP head.
+    # The request's paged KV state (blocks and their views), owned by the KV cache.
     seq: object | None = None
-    mtp_seq: object | None = None
+    # Seeded requests draw their noise from their own generator, so a seed reproduces the same
+    # tokens whatever else shares the batch.
     generator: torch.Generator | None = None
-    # Draft distributions [k, V] of sampled (non-greedy) drafts, needed to verify them.
-    draft_probs: torch.Tensor | None = None
-    # Output tokens already handed to the caller (for streaming deltas).
-    num_emitted: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -79,8 +78,10 @@ class Request:
         return self.token_ids[len(self.prompt_token_ids):]
 
     @property
-    def num_tokens_with_spec(self) -> int:
-        return len(self.token_ids) + len(self.draft_token_ids)
+    def queued_s(self) -> float:
+        """Seconds between arrival and the first scheduled step (so far, if never scheduled)."""
+        end = self.scheduled_time if self.scheduled_time is not None else time.monotonic()
+        return max(0.0, end - self.arrival_time)
 
     @property
     def is_finished(self) -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .sampling import SamplingParams
+from ipc.messages import SamplingParams
 
 
 def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], history: list[list[int]]) -> torch.Tensor:

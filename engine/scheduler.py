@@ -1,18 +1,23 @@
-"""Continuous batching: which requests compute how many tokens this step.
+"""Continuous batching: which requests compute how many tokens this step, and what they got.
 
-Interface: `add`, `abort`, `schedule() -> Batch`, `update(batch, output) -> finished requests`.
-Running requests go first (oldest first), then waiting ones, under a token budget
+Interface: `add`, `abort`, `schedule() -> Batch`, `update(batch, StepOutput) -> (deltas,
+finishes)`. Running requests go first (oldest first), then waiting ones, under a token budget
 (`max_num_batched_tokens`) and a sequence cap (`max_num_seqs`). When KV blocks run out the
-newest running request is preempted: its blocks are freed and it is recomputed later. No CUDA
-here; the scheduler is tested with hand-made step outputs.
+newest running request is preempted: its blocks are freed and it is recomputed later. The
+scheduler is the only writer of request state. No CUDA here; it is tested with hand-made step
+outputs.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from ipc.messages import Finished, TokenDelta
+
+from .batch import Batch, ScheduledRequest, StepOutput
 from .kv_cache import KVCache
 from .request import FinishReason, Request, RequestError, RequestStatus
 
@@ -33,41 +38,6 @@ class SchedulerConfig:
             raise ValueError("max_num_batched_tokens must hold one verify step (speculative tokens + 1)")
 
 
-@dataclass(slots=True)
-class ScheduledRequest:
-    request: Request
-    start: int  # first position computed this step
-    num_tokens: int  # positions [start, start + num_tokens)
-    num_draft: int  # trailing draft tokens among them (verification)
-    # Whether this step computes every known (and draft) token, so a new token is sampled.
-    # Fixed when scheduled: the update appends tokens afterwards.
-    reaches_end: bool
-
-
-@dataclass
-class Batch:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
-
-    def __bool__(self) -> bool:
-        return bool(self.scheduled)
-
-
-@dataclass(slots=True)
-class RequestStepOutput:
-    """What the model runner produced for one request that reached its end this step."""
-
-    accepted: list[int]  # verified drafts, then the newly sampled (bonus or recovered) token
-    logprobs: list[float] | None = None
-    top_logprobs: list[list[tuple[int, float]]] | None = None
-    drafts: list[int] = field(default_factory=list)  # proposals for the next step
-    error: str | None = None
-
-
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache: KVCache, eos_token_ids: tuple[int, ...] = ()):
         self.config = config
@@ -75,7 +45,7 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[int, Request] = {}
         self.num_preemptions = 0
 
     # ---- admission -------------------------------------------------------------------------
@@ -92,17 +62,16 @@ class Scheduler:
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
-    def abort(self, request_id: str) -> Request | None:
-        """Finish a request in any state and free everything it holds."""
+    def abort(self, request_id: int) -> Finished | None:
+        """Finish a request in any state and free everything it holds; None if unknown."""
         req = self.requests.get(request_id)
         if req is None:
             return None
-        if req in self.waiting:
+        if req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
-        if req in self.running:
+        else:
             self.running.remove(req)
-        self._finish(req, FinishReason.ABORT)
-        return req
+        return self._finish(req, FinishReason.ABORT)
 
     @property
     def has_work(self) -> bool:
@@ -136,6 +105,8 @@ class Scheduler:
                 break  # wait for blocks to come back
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
+            if req.scheduled_time is None:
+                req.scheduled_time = time.monotonic()
             self.running.append(req)
             batch.scheduled.append(self._scheduled(req, n))
             budget -= n
@@ -162,6 +133,7 @@ class Scheduler:
         self._release(req)
         req.num_computed_tokens = 0
         req.draft_token_ids = []
+        req.draft_probs = None
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -169,59 +141,66 @@ class Scheduler:
         logger.info("preempted request %s (%d tokens known)", req.request_id, len(req.token_ids))
 
     # ---- results ---------------------------------------------------------------------------
-    def update(self, batch: Batch, outputs: dict[str, RequestStepOutput]) -> list[Request]:
-        """Advance counters, append accepted tokens, apply stop rules; returns finished requests."""
-        finished = []
+    def update(self, batch: Batch, step: StepOutput) -> tuple[list[TokenDelta], list[Finished]]:
+        """Advance counters, append accepted tokens, apply stop rules. Returns the step's token
+        deltas and the requests it finished (a request's last delta precedes its finish)."""
+        deltas: list[TokenDelta] = []
+        finished: list[Finished] = []
+        outputs = step.outputs
         for s in batch.scheduled:
             req = s.request
             if req.is_finished:  # aborted while the step ran
                 continue
-            req.num_computed_tokens = s.start + s.num_tokens
+            req.num_computed_tokens = s.end
             if not s.reaches_end:
                 continue
             out = outputs[req.request_id]
             if out.error is not None:
                 req.error = out.error
-                self._finish_running(req, FinishReason.ERROR)
-                finished.append(req)
+                finished.append(self._finish_running(req, FinishReason.ERROR, error_code=500))
                 continue
             rejected = s.num_draft - (len(out.accepted) - 1)
             req.num_computed_tokens -= rejected
             req.draft_token_ids = []
-            reason = self._append(req, out)
+            req.draft_probs = None
+            taken, reason = self._append(req, out.accepted)
+            delta = TokenDelta(req.request_id, out.accepted[:taken])
+            if req.params.logprobs is not None:
+                delta = TokenDelta(req.request_id, delta.token_ids, out.logprobs[:taken],
+                                   out.top_logprobs[:taken] if out.top_logprobs else [[] for _ in range(taken)])
+            deltas.append(delta)
             if reason is not None:
-                self._finish_running(req, reason)
-                finished.append(req)
+                finished.append(self._finish_running(req, reason))
             else:
                 req.draft_token_ids = list(out.drafts)
-        return finished
+                req.draft_probs = out.draft_probs
+        return deltas, finished
 
-    def _append(self, req: Request, out: RequestStepOutput) -> FinishReason | None:
+    def _append(self, req: Request, accepted: list[int]) -> tuple[int, FinishReason | None]:
+        """Append accepted tokens up to the first that ends the request: (tokens taken, reason)."""
         p = req.params
-        for j, token in enumerate(out.accepted):
+        for j, token in enumerate(accepted):
             req.token_ids.append(token)
-            if out.logprobs is not None:
-                req.logprobs.append(out.logprobs[j])
-                req.top_logprobs.append(out.top_logprobs[j] if out.top_logprobs else [])
             if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
-                return FinishReason.STOP
+                return j + 1, FinishReason.STOP
             if req.num_output_tokens >= p.max_tokens:
-                return FinishReason.LENGTH
-        return None
+                return j + 1, FinishReason.LENGTH
+        return len(accepted), None
 
-    def _finish_running(self, req: Request, reason: FinishReason) -> None:
+    def _finish_running(self, req: Request, reason: FinishReason, error_code: int = 0) -> Finished:
         self.running.remove(req)
-        self._finish(req, reason)
+        return self._finish(req, reason, error_code)
 
-    def _finish(self, req: Request, reason: FinishReason) -> None:
+    def _finish(self, req: Request, reason: FinishReason, error_code: int = 0) -> Finished:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.draft_token_ids = []
+        req.draft_probs = None
         self._release(req)
         self.requests.pop(req.request_id, None)
+        return Finished(req.request_id, reason.value, req.num_prompt_tokens, req.num_output_tokens, req.error,
+                        error_code, req.queued_s)
 
     def _release(self, req: Request) -> None:
         if req.seq is not None:
             self.cache.free(req.seq)
-        if req.mtp_seq is not None:
-            req.mtp_seq.num_tokens = 0  # shares the main table, already freed

@@ -9,9 +9,10 @@ A sequence's state after `num_tokens` tokens holds, for every layer:
   * index keys    — the lightning indexer's compressed keys (CSA layers).
 
 Invariant: every quantity is a function of (position → row). Nothing is "consumed": the number
-of complete entries is ⌊num_tokens / m⌋ and the rows a step needs are looked up by position.
-Rolling back a speculative step is therefore just lowering `num_tokens`, provided the rings
-were sized with `slack` ≥ the tokens written per step. The paged KV pools keep the same
+of complete entries after n tokens is ⌊n / m⌋ and the rows a step needs are looked up by
+position, so the state keeps no counter of its own (the caller knows each step's positions).
+Rolling back a speculative step is just computing from a lower position again, provided the
+rings were sized with `slack` ≥ the tokens written per step. The paged KV pools keep the same
 position → slot contract, so the attention maths does not change when the storage does.
 """
 
@@ -92,16 +93,11 @@ class LayerState:
 
 
 class SequenceState:
-    """All layers' state of one sequence; `num_tokens` is the count of positions stored."""
+    """All layers' state of one sequence (the model's layers, then its MTP layers), dense."""
 
     def __init__(self, cfg: ModelConfig, kinds: list[str], ratios: list[int], dtype: torch.dtype,
                  device: torch.device | str = "cpu", slack: int = 8):
-        self.num_tokens = 0
-        self.slack = slack
         self.layers = [LayerState(cfg, k, r, slack, dtype, device) for k, r in zip(kinds, ratios)]
 
-    def rewind(self, num_tokens: int) -> None:
-        """Forget positions ≥ num_tokens (rejected speculative tokens)."""
-        if not (self.num_tokens - self.slack <= num_tokens <= self.num_tokens):
-            raise ValueError(f"cannot rewind from {self.num_tokens} to {num_tokens} (slack {self.slack})")
-        self.num_tokens = num_tokens
+    def layer(self, index: int) -> LayerState:
+        return self.layers[index]

@@ -1,10 +1,13 @@
-"""Tensor names of the two checkpoint layouts and their mapping to ringserve's parameters.
+"""Tensor names of the checkpoint layouts users have, and their mapping to ringserve's parameters.
 
 Upstream layout (released checkpoints):  `layers.N.attn.wq_a.weight`, `.scale` for FP8/FP4
 scales, routed experts one tensor per expert (`layers.N.ffn.experts.E.w1.weight`).
-Transformers layout: `model.layers.N.self_attn.q_a_proj.weight`, experts stacked
-(`model.layers.N.mlp.experts.gate_up_proj`). MTP weights use the upstream `mtp.0.*` names in
-both layouts (transformers ignores them).
+Transformers layout (its in-memory module names): `model.layers.N.self_attn.q_a_proj.weight`,
+experts stacked (`model.layers.N.mlp.experts.gate_up_proj`).
+Saved-by-transformers layout (what `DeepseekV4ForCausalLM.save_pretrained` writes in 5.23: its
+conversion mapping reversed): upstream layer names under a `model.` prefix, except the KV norm
+(`attn.norm`), plus `model.embed_tokens`, `model.hc_head.hc_*`, `model.norm` and `head.weight`.
+MTP weights use the upstream `mtp.0.*` names in every layout (transformers ignores them).
 
 A checkpoint tensor maps to a `Target`: the internal parameter name, plus for upstream experts
 the expert index and which part of the stacked tensor it fills.
@@ -96,9 +99,32 @@ class Target:
     part: str | None = None  # 'gate' / 'up' / 'all' rows of the stacked expert tensor
 
 
+_SAVED_LAYER_RE = re.compile(r"^model\.layers\.\d+\.(attn|ffn)\.")
+# Saved-by-transformers names that differ from the upstream ones by more than the prefix.
+_SAVED_TOP = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight", "head.weight": "head.weight",
+              "model.hc_head.hc_fn": "hc_head_fn", "model.hc_head.hc_base": "hc_head_base",
+              "model.hc_head.hc_scale": "hc_head_scale"}
+
+
 def detect_layout(names: list[str]) -> str:
-    """'transformers' if any tensor uses the transformers prefix, else 'upstream'."""
+    """'saved-transformers' if layer tensors keep upstream names under `model.`, 'transformers'
+    if any other tensor uses the transformers prefix, else 'upstream'."""
+    if any(_SAVED_LAYER_RE.match(n) for n in names):
+        return "saved-transformers"
     return "transformers" if any(n.startswith(("model.", "lm_head.")) for n in names) else "upstream"
+
+
+def _saved_to_upstream(name: str) -> str | None:
+    """The upstream name of a saved-by-transformers tensor (None if it is not one)."""
+    if name in _SAVED_TOP:
+        return _SAVED_TOP[name]
+    m = _HF_LAYER_RE.match(name)
+    if m is None:
+        return None
+    suffix = m.group(2)
+    if suffix == "attn.norm.weight":  # transformers' name for the KV latent's norm
+        suffix = "attn.kv_norm.weight"
+    return f"layers.{m.group(1)}.{suffix}"
 
 
 def _layer_target(prefix: str, suffix: str, table: dict[str, str]) -> Target | None:
@@ -119,6 +145,9 @@ def target_of(name: str, layout: str) -> Target | None:
         if suffix in _UP_MTP:
             return Target(f"mtp.{idx}.{_UP_MTP[suffix]}")
         return _layer_target(f"mtp.{idx}.block", suffix, _UP_LAYER)
+    if layout == "saved-transformers":
+        upstream = _saved_to_upstream(name)
+        return target_of(upstream, "upstream") if upstream is not None else None
     if layout == "upstream":
         if name in _UP_TOP:
             return Target(_UP_TOP[name])

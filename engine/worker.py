@@ -18,11 +18,13 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
-from .engine import Engine, TokenDelta
+from ipc.messages import INT64_MAX, Finished, SamplingParams, StepOutputs
+
+from .engine import Engine
 from .request import RequestError
-from .sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
+WARMUP_REQUEST_ID = INT64_MAX  # never handed out by an engine client
 
 
 @dataclass
@@ -33,7 +35,7 @@ class WorkerStats:
 
 
 class Worker:
-    def __init__(self, engine: Engine, emit: Callable[[TokenDelta], None]):
+    def __init__(self, engine: Engine, emit: Callable[[StepOutputs], None]):
         self.engine = engine
         self.emit = emit
         self.stats = WorkerStats()
@@ -46,12 +48,12 @@ class Worker:
         gc.callbacks.append(self._on_gc)
 
     # ---- commands (call from the worker's event loop thread) ------------------------------
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def submit(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self._commands.append(("submit", request_id, prompt_token_ids, params))
         self._wake()
 
-    def abort(self, request_id: str) -> None:
-        self._commands.append(("abort", request_id))
+    def abort(self, request_ids: list[int]) -> None:
+        self._commands.append(("abort", request_ids))
         self._wake()
 
     def stop(self) -> None:
@@ -63,24 +65,27 @@ class Worker:
             self._wakeup.set()
 
     def _apply_commands(self) -> None:
+        finished: list[Finished] = []
         while self._commands:
             cmd = self._commands.popleft()
             if cmd[0] == "submit":
                 _, rid, ids, params = cmd
                 try:
                     self.engine.add_request(rid, ids, params)
-                except RequestError as exc:
-                    self.emit(TokenDelta(rid, [], finish_reason="error", error=str(exc), error_code=400,
-                                         num_prompt_tokens=len(ids)))
+                except RequestError as exc:  # an invariant the edge should have enforced: refuse, don't crash
+                    finished.append(Finished(rid, "error", len(ids), 0, str(exc), 400))
             else:
-                delta = self.engine.abort(cmd[1])
-                if delta is not None:
-                    self.emit(delta)
+                for rid in cmd[1]:
+                    done = self.engine.abort(rid)
+                    if done is not None:
+                        finished.append(done)
+        if finished:
+            self.emit(StepOutputs([], finished))
 
     # ---- the loop ------------------------------------------------------------------------
     def warm_up(self) -> None:
         """One tiny request through every path, then freeze what survives as permanent."""
-        self.engine.add_request("__warmup__", [self.engine.model.cfg.bos_token_id or 0],
+        self.engine.add_request(WARMUP_REQUEST_ID, [self.engine.model.cfg.bos_token_id or 0],
                                 SamplingParams(max_tokens=2, ignore_eos=True))
         while self.engine.has_work:
             self.engine.step()
@@ -112,8 +117,9 @@ class Worker:
             if last_step_end is not None:
                 self.stats.max_loop_pause_s = max(self.stats.max_loop_pause_s, start - last_step_end)
             self.step_started_at = time.time()
-            for delta in self.engine.step():
-                self.emit(delta)
+            out = self.engine.step()
+            if out.deltas or out.finished:
+                self.emit(out)
             self.step_started_at = 0.0
             self.stats.steps += 1
             last_step_end = time.perf_counter()
@@ -128,12 +134,3 @@ class Worker:
     def close(self) -> None:
         if self._on_gc in gc.callbacks:
             gc.callbacks.remove(self._on_gc)
-
-
-def new_event_loop() -> asyncio.AbstractEventLoop:
-    """uvloop when installed (it is a dependency), else the default loop."""
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is in install_requires
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()

@@ -1,135 +1,150 @@
-"""Entry point of a worker process: one engine, fed and drained through two shared-memory rings.
+"""Entry point of a worker process: one engine, fed and drained through shared-memory rings.
 
-The server creates (and owns) both rings and starts this process with their names. The worker
-attaches as reader of the request ring and writer of the output ring, loads the model, warms up,
-announces `WorkerReady`, then runs the asyncio worker: requests and aborts in, token deltas,
-finishes, errors and heartbeats out. Every message is codec bytes; nothing is pickled.
+The server creates (and owns) three rings per worker and starts this process with their names:
+requests (Submit), control (Abort, Shutdown: a path that submissions can never fill, so a
+cancellation is never starved) and outputs (WorkerReady, StepOutputs, Heartbeat, Shutdown). The
+worker attaches, loads the model, warms up, announces `WorkerReady`, then runs the asyncio
+worker. Every message is codec bytes; nothing is pickled.
+
+A ring that fails (a corrupt slot, a peer that died, a message that does not decode) is never
+papered over: the worker reports the cause in a `Shutdown` and exits non-zero, so the server
+fails this rank's requests with that reason and the supervisor restarts the service.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import time
 
 import torch
 
-from ipc import (Abort, Error, Finished, Heartbeat, RingReader, RingTimeout, RingWriter, Shutdown, Submit,
-                 TokenDelta, WorkerReady, decode, encode)
+from ipc import (Abort, Heartbeat, IpcError, RingReader, RingTimeout, RingWriter, Shutdown, StepOutputs, Submit,
+                 WorkerReady, decode, encode)
+from ipc.errors import MessageTooLarge
+from ipc.loop import new_event_loop
 
-from .config import ConfigError
-from .engine import Engine, EngineConfig, TokenDelta as EngineDelta, default_dtype
-from .sampling import SamplingError, SamplingParams
+from .config import ConfigError, EngineConfig
+from .engine import Engine, default_dtype
 from .weights import WeightLoadError, load_model
-from .worker import Worker, new_event_loop
+from .worker import Worker
 
 logger = logging.getLogger(__name__)
 HEARTBEAT_S = 0.25
 
 
-def params_from_msg(p) -> SamplingParams:
-    return SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p,
-                          top_k=max(p.top_k, 0), min_p=p.min_p, presence_penalty=p.presence_penalty,
-                          frequency_penalty=p.frequency_penalty, seed=p.seed,
-                          logprobs=p.logprobs, stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos)
+class RingFailure(RuntimeError):
+    """A ring this worker reads or writes failed; the message names the ring and the cause."""
 
 
-class _Outbox:
-    """Encodes engine output into ring messages (request ids are ints on the wire)."""
+class Outbox:
+    """Encodes the worker's messages into its output ring. A step's outputs go as one message,
+    split only if they would not fit one slot."""
 
     def __init__(self, writer: RingWriter):
         self.writer = writer
 
     def send(self, msg) -> None:
-        self.writer.put(encode(msg, max_bytes=self.writer.capacity), timeout=60.0)
+        try:
+            self.writer.put(encode(msg, max_bytes=self.writer.capacity), timeout=60.0)
+        except MessageTooLarge:
+            if not isinstance(msg, StepOutputs) or len(msg.deltas) + len(msg.finished) < 2:
+                raise
+            half = len(msg.deltas) // 2
+            if half:
+                self.send(StepOutputs(msg.deltas[:half], []))
+                self.send(StepOutputs(msg.deltas[half:], msg.finished))
+            else:
+                half = len(msg.finished) // 2
+                self.send(StepOutputs(msg.deltas, msg.finished[:half]))
+                self.send(StepOutputs([], msg.finished[half:]))
+        except IpcError as exc:
+            raise RingFailure(f"output ring: {type(exc).__name__}: {exc}") from None
 
-    def emit(self, d: EngineDelta) -> None:
-        rid = int(d.request_id)
-        if d.token_ids:
-            self.send(TokenDelta(rid, list(d.token_ids), d.logprobs,
-                                 [[(int(t), float(lp)) for t, lp in row] for row in d.top_logprobs]
-                                 if d.top_logprobs else None))
-        if d.error is not None:
-            self.send(Error(rid, d.error, d.error_code))
-        if d.finish_reason is not None:
-            self.send(Finished(rid, d.finish_reason, d.num_prompt_tokens, d.num_output_tokens))
 
-
-def worker_main(rank: int, model_dir: str, config_json: str, request_ring: str, output_ring: str,
-                num_threads: int, device: str = "cpu") -> None:
+def worker_main(rank: int, model_dir: str, config_json: str, request_ring: str, control_ring: str,
+                output_ring: str, num_threads: int, device: str = "cpu") -> None:
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(num_threads)
     writer = RingWriter.attach(output_ring)
-    reader = RingReader.attach(request_ring)
-    outbox = _Outbox(writer)
+    requests = RingReader.attach(request_ring)
+    control = RingReader.attach(control_ring)
+    outbox = Outbox(writer)
     try:
-        config = EngineConfig(**_config_fields(json.loads(config_json)))
+        config = EngineConfig.from_json(config_json)
         model = load_model(model_dir, dtype=default_dtype(config, device), device=device, progress=False,
                            load_mtp=bool(config.resolved().speculative_tokens))
         engine = Engine(model, config)
-        worker = Worker(engine, outbox.emit)
+        worker = Worker(engine, outbox.send)
         worker.warm_up()
         outbox.send(WorkerReady(rank, os.getpid(), engine.cache.manager.full.num_blocks, engine.config.block_size,
                                 engine.max_model_len, device))
         loop = new_event_loop()
         try:
-            loop.run_until_complete(_serve(rank, worker, reader, outbox))
+            loop.run_until_complete(_serve(rank, worker, requests, control, outbox))
         finally:
             loop.close()
     except Exception as exc:  # report, then exit non-zero: the server fails this rank's requests
-        if not isinstance(exc, (ConfigError, WeightLoadError)):  # known errors: the server prints them
+        if not isinstance(exc, (ConfigError, WeightLoadError, RingFailure)):  # known errors: the server prints them
             logger.exception("worker %d failed", rank)
         try:
             outbox.send(Shutdown(f"rank {rank} failed: {type(exc).__name__}: {exc}"))
-        finally:
-            raise SystemExit(1)
+        except Exception:  # noqa: BLE001 - the output ring itself may be what failed
+            pass
+        raise SystemExit(1)
     finally:
-        reader.close()
+        requests.close()
+        control.close()
         writer.close()
 
 
-def _config_fields(raw: dict) -> dict:
-    raw = dict(raw)
-    raw["cuda_graph_sizes"] = tuple(raw.get("cuda_graph_sizes") or ())
-    return raw
-
-
-async def _serve(rank: int, worker: Worker, reader: RingReader, outbox: _Outbox) -> None:
-    inbox = asyncio.ensure_future(_drain(worker, reader, outbox))
-    beats = asyncio.ensure_future(_heartbeats(rank, worker, outbox))
+async def _serve(rank: int, worker: Worker, requests: RingReader, control: RingReader, outbox: Outbox) -> None:
+    failure: list[BaseException] = []
+    tasks = [asyncio.ensure_future(_guard(coro, worker, failure)) for coro in
+             (_drain(worker, requests, "request ring"), _drain(worker, control, "control ring"),
+              _heartbeats(rank, worker, outbox))]
     try:
         await worker.run()
     finally:
-        for task in (inbox, beats):
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(inbox, beats, return_exceptions=True)
-        outbox.send(Shutdown(f"rank {rank} stopped"))
+        await asyncio.gather(*tasks, return_exceptions=True)
+    if failure:
+        raise failure[0]
+    outbox.send(Shutdown(f"rank {rank} stopped"))
 
 
-async def _drain(worker: Worker, reader: RingReader, outbox: _Outbox) -> None:
+async def _guard(coro, worker: Worker, failure: list[BaseException]) -> None:
+    """Run a side task of the worker; if it fails, record why and stop the worker (loudly)."""
+    try:
+        await coro
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any failure of a ring task ends the worker
+        failure.append(exc)
+        worker.stop()
+
+
+async def _drain(worker: Worker, reader: RingReader, name: str) -> None:
+    """Hand every message of one ring to the worker; a failing ring raises RingFailure."""
     while True:
         try:
-            msg = decode(await reader.get_async(timeout=3600.0))
+            msg = decode(await reader.get_async(timeout=3600.0), "to_worker")
         except RingTimeout:
             continue
+        except IpcError as exc:
+            raise RingFailure(f"{name}: {type(exc).__name__}: {exc}") from None
         if isinstance(msg, Submit):
-            try:
-                params = params_from_msg(msg.params)
-            except SamplingError as exc:
-                outbox.send(Error(msg.request_id, str(exc), 400))
-                outbox.send(Finished(msg.request_id, "error", len(msg.prompt_token_ids), 0))
-                continue
-            worker.submit(str(msg.request_id), list(msg.prompt_token_ids), params)
+            worker.submit(msg.request_id, msg.prompt_token_ids, msg.params)
         elif isinstance(msg, Abort):
-            worker.abort(str(msg.request_id))
+            worker.abort(msg.request_ids)
         elif isinstance(msg, Shutdown):
             worker.stop()
             return
 
 
-async def _heartbeats(rank: int, worker: Worker, outbox: _Outbox) -> None:
+async def _heartbeats(rank: int, worker: Worker, outbox: Outbox) -> None:
     engine = worker.engine
     while True:
         sched = engine.scheduler

@@ -1,5 +1,5 @@
-"""Shared-memory IPC between the server and per-GPU workers: rings, messages and their codec. No torch."""
-from ipc.codec import decode, encode
+"""Shared-memory IPC between the server and per-device workers: rings, messages, codec. No torch."""
+from ipc.codec import InvalidField, check, decode, encode
 from ipc.errors import (
     CorruptSlot,
     DecodeError,
@@ -13,12 +13,12 @@ from ipc.errors import (
 )
 from ipc.messages import (
     Abort,
-    Error,
     Finished,
     Heartbeat,
     Message,
-    SamplingParamsMsg,
+    SamplingParams,
     Shutdown,
+    StepOutputs,
     Submit,
     TokenDelta,
     WorkerReady,
@@ -27,8 +27,8 @@ from ipc.ring import RingConfig, RingReader, RingStats, RingWriter
 from ipc.segment import remove_orphans
 
 __all__ = [
-    "Abort", "CorruptSlot", "DecodeError", "EncodeError", "Error", "Finished", "Heartbeat", "IpcError",
-    "Message", "MessageTooLarge", "PeerDied", "RingClosed", "RingConfig", "RingError", "RingReader",
-    "RingStats", "RingTimeout", "RingWriter", "SamplingParamsMsg", "Shutdown", "Submit", "TokenDelta",
-    "WorkerReady", "decode", "encode", "remove_orphans",
+    "Abort", "CorruptSlot", "DecodeError", "EncodeError", "Finished", "Heartbeat", "InvalidField", "IpcError",
+    "Message", "MessageTooLarge", "PeerDied", "RingClosed", "RingConfig", "RingError", "RingReader", "RingStats",
+    "RingTimeout", "RingWriter", "SamplingParams", "Shutdown", "StepOutputs", "Submit", "TokenDelta", "WorkerReady",
+    "check", "decode", "encode", "remove_orphans",
 ]

@@ -1,127 +1,146 @@
-"""Messages between the server and workers: frozen, slotted dataclasses, each with a one-byte tag.
+"""Every message that crosses a process boundary, as msgspec Structs (one tagged union, no torch).
 
-Direction: server -> worker: Submit, Abort, Shutdown. Worker -> server: WorkerReady, Heartbeat,
-TokenDelta, Finished, Error. The wire format lives in ``ipc.codec``; these classes hold plain values
-only (ints, floats, str, lists), never objects with behaviour.
+server → worker: Submit, Abort, Shutdown.      worker → server: WorkerReady, Heartbeat,
+StepOutputs (the token deltas and finishes of one engine step), Shutdown.
+
+`SamplingParams` is the one definition of a request's sampling parameters: the HTTP layer, the
+CLI and the offline API build it, it travels inside `Submit`, and the engine uses it as is. Its
+field types carry the limits (`Annotated[..., Meta(...)]`): the wire decoder enforces them on
+every message a worker reads, and `check()` applies the same decoder at the edge, so a value
+the engine cannot take is refused where the request enters, with the field named.
+Structs are `array_like` (encoded as msgpack arrays, no field names on the wire) and frozen.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Annotated, Literal, Union
 
+from msgspec import Meta, Struct
+
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+RequestId = Annotated[int, Meta(ge=0, le=INT64_MAX)]  # one id per engine request, end to end
+TokenId = Annotated[int, Meta(ge=0, le=INT32_MAX)]
+Count = Annotated[int, Meta(ge=0, le=INT64_MAX)]
+Int64 = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]
+Seconds = Annotated[float, Meta(ge=0.0)]
+MAX_LOGPROBS = 20
+MAX_STOP_TOKEN_IDS = 64
+FINISH_REASONS = ("stop", "length", "abort", "error")
+FinishReason = Literal["stop", "length", "abort", "error"]
 TopLogprobs = list[list[tuple[int, float]]]  # per generated token: [(token_id, logprob), ...]
 
 
-@dataclass(frozen=True, slots=True)
-class SamplingParamsMsg:
-    """Sampling parameters as sent to a worker (already validated by the server)."""
+class SamplingParams(Struct, frozen=True, array_like=True):
+    """How one request samples. Logprobs come from the raw distribution (before temperature,
+    penalties and top-k/p shaping), as vLLM reports them by default."""
 
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1  # -1: disabled
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-    stop_token_ids: list[int] = field(default_factory=list)
+    max_tokens: Annotated[int, Meta(ge=1, le=INT32_MAX)] = 16
+    temperature: Annotated[float, Meta(ge=0.0, le=1e4)] = 0.0  # 0 = greedy
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Meta(ge=0, le=INT32_MAX)] = 0  # 0 = disabled
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
+    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    seed: Int64 | None = None
+    logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None  # None = none; N = token + top N
+    stop_token_ids: Annotated[tuple[TokenId, ...], Meta(max_length=MAX_STOP_TOKEN_IDS)] = ()
     ignore_eos: bool = False
-    logprobs: int | None = None  # number of top logprobs per token; None: no logprobs
-    session_id: str | None = None  # affinity key for prefix reuse
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def shapes_distribution(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
 
 
-@dataclass(frozen=True, slots=True)
-class Submit:
-    """A new request with its full prompt (sent once; later traffic is deltas)."""
+class Submit(Struct, frozen=True, array_like=True, tag=1):
+    """A new request with its whole prompt (sent once; later traffic is deltas)."""
 
-    TAG: ClassVar[int] = 1
-    request_id: int
-    prompt_token_ids: list[int]
-    params: SamplingParamsMsg
+    request_id: RequestId
+    prompt_token_ids: list[TokenId]
+    params: SamplingParams
 
 
-@dataclass(frozen=True, slots=True)
-class Abort:
-    """Stop a request (client gone, deadline passed); the worker frees its slots and KV blocks."""
+class Abort(Struct, frozen=True, array_like=True, tag=2):
+    """Stop these requests (client gone, deadline passed); the worker frees their KV blocks."""
 
-    TAG: ClassVar[int] = 2
-    request_id: int
+    request_ids: list[RequestId]
 
 
-@dataclass(frozen=True, slots=True)
-class TokenDelta:
-    """Tokens generated for one request since its last delta."""
+class Shutdown(Struct, frozen=True, array_like=True, tag=3):
+    """Ask a worker to stop (server → worker) or announce that it stops and why (worker → server)."""
 
-    TAG: ClassVar[int] = 3
-    request_id: int
-    token_ids: list[int]
-    logprobs: list[float] | None = None  # one per token in token_ids
-    top_logprobs: TopLogprobs | None = None  # one list per token in token_ids
-
-
-@dataclass(frozen=True, slots=True)
-class Finished:
-    """A request ended; ``reason`` is "stop", "length", "abort" or "error"."""
-
-    TAG: ClassVar[int] = 4
-    request_id: int
-    reason: str
-    prompt_tokens: int
-    completion_tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class Error:
-    """A request failed in the worker; ``code`` is an HTTP-style status the server may reuse."""
-
-    TAG: ClassVar[int] = 5
-    request_id: int
-    message: str
-    code: int
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerReady:
-    """A worker finished loading and warming up and can take requests."""
-
-    TAG: ClassVar[int] = 6
-    rank: int
-    pid: int
-    num_kv_blocks: int
-    kv_block_size: int = 256  # tokens per KV block
-    max_model_len: int = 0
-    device: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class Heartbeat:
-    """Worker liveness and load, sent every step and when idle; times are time.time() seconds."""
-
-    TAG: ClassVar[int] = 7
-    rank: int
-    step: int
-    step_started_at: float
-    num_running: int
-    num_waiting: int
-    kv_blocks_used: int
-    kv_blocks_total: int = 0
-    sent_at: float = 0.0
-    # Cumulative engine counters since the worker started (the server turns them into metrics).
-    num_preemptions: int = 0
-    spec_drafts: int = 0
-    spec_draft_tokens: int = 0
-    spec_accepted_per_position: list[int] = field(default_factory=list)
-    loop_pause_max_s: float = 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class Shutdown:
-    """Ask a worker to stop (server side) or announce that it stops (worker side)."""
-
-    TAG: ClassVar[int] = 8
     reason: str
 
 
-Message = Submit | Abort | TokenDelta | Finished | Error | WorkerReady | Heartbeat | Shutdown
-MESSAGE_TYPES: tuple[type, ...] = (Submit, Abort, TokenDelta, Finished, Error, WorkerReady, Heartbeat, Shutdown)
-assert len({t.TAG for t in MESSAGE_TYPES}) == len(MESSAGE_TYPES)
+class TokenDelta(Struct, frozen=True, array_like=True):
+    """Tokens one request generated since its last delta."""
+
+    request_id: RequestId
+    token_ids: list[TokenId]
+    logprobs: list[float] | None = None  # one per token
+    top_logprobs: TopLogprobs | None = None  # one list per token
+
+
+class Finished(Struct, frozen=True, array_like=True):
+    """A request ended. An engine-side failure travels here: `error` says why and `error_code`
+    is an HTTP-style status (400: refused as given; 500: failed in the engine; 503: unavailable)."""
+
+    request_id: RequestId
+    reason: FinishReason
+    prompt_tokens: Count
+    completion_tokens: Count
+    error: str | None = None
+    error_code: Annotated[int, Meta(ge=0, le=599)] = 0
+    queued_s: Seconds = 0.0  # from arrival in the worker to its first scheduled step
+
+
+class StepOutputs(Struct, frozen=True, array_like=True, tag=4):
+    """What one engine step produced: every delta, then every finish (a request's last tokens
+    come before its `Finished`)."""
+
+    deltas: list[TokenDelta]
+    finished: list[Finished]
+
+
+class WorkerReady(Struct, frozen=True, array_like=True, tag=5):
+    """A worker loaded, warmed up and can take requests."""
+
+    rank: Count
+    pid: Count
+    num_kv_blocks: Count
+    kv_block_size: Count
+    max_model_len: Count
+    device: str
+
+
+class Heartbeat(Struct, frozen=True, array_like=True, tag=6):
+    """Worker liveness and load, sent every 250 ms; times are time.time() seconds. Counters are
+    cumulative since the worker started (the server turns them into metrics)."""
+
+    rank: Count
+    step: Count
+    step_started_at: Seconds  # 0 = idle
+    num_running: Count
+    num_waiting: Count
+    kv_blocks_used: Count
+    kv_blocks_total: Count
+    sent_at: Seconds
+    num_preemptions: Count = 0
+    spec_drafts: Count = 0
+    spec_draft_tokens: Count = 0
+    spec_accepted_per_position: list[Count] = []
+    loop_pause_max_s: Seconds = 0.0
+
+
+ToWorker = Union[Submit, Abort, Shutdown]
+FromWorker = Union[WorkerReady, Heartbeat, StepOutputs, Shutdown]
+Message = Union[Submit, Abort, Shutdown, StepOutputs, WorkerReady, Heartbeat]
+MESSAGE_TYPES: tuple[type, ...] = (Submit, Abort, Shutdown, StepOutputs, WorkerReady, Heartbeat)

@@ -65,6 +65,7 @@ from contextlib import contextmanager
 
 from ipc import ring_layout as L
 from ipc.errors import MessageTooLarge, RingError
+from ipc.doorbell import IS_TSO
 from ipc.ring_base import RingEndpoint, RingStats
 from ipc.ring_layout import RingConfig
 
@@ -73,6 +74,11 @@ Buffer = bytes | bytearray | memoryview
 __all__ = ["RingConfig", "RingReader", "RingStats", "RingWriter"]
 
 _CONFIRM_TRIES = 3
+# Word indices of the hot control words (q: 8-byte words, i: 4-byte words).
+_WRITE_COUNT = L.OFF_WRITE_COUNT // 8
+_READ_COUNT = L.OFF_READ_COUNT // 8
+_READER_PARKED = L.OFF_READER_PARKED // 4
+_WRITER_PARKED = L.OFF_WRITER_PARKED // 4
 
 
 def _refcount(view: memoryview) -> int:
@@ -107,10 +113,9 @@ class RingWriter(RingEndpoint):
 
     def put(self, data: Buffer, timeout: float | None = None) -> None:
         """Copy ``data`` into the next slot and publish it; waits (bounded) while the ring is full."""
-        src = memoryview(data).cast("B")
-        n = src.nbytes
+        n = len(data) if isinstance(data, bytes) else memoryview(data).nbytes
         start = self._begin(n, timeout)
-        self._mv[start : start + n] = src
+        self._mv[start : start + n] = data if isinstance(data, bytes) else memoryview(data).cast("B")
         self._publish(n)
 
     async def put_async(self, data: Buffer, timeout: float | None = None) -> None:
@@ -165,36 +170,46 @@ class RingWriter(RingEndpoint):
 
     def _begin(self, nbytes: int, timeout: float | None) -> int:
         """Wait for a free slot, mark it BUSY, return the payload's byte offset."""
-        self._check_usable()
-        self._check_size(nbytes)
-        if not self._has_space():
+        if self._closed or self._broken is not None:
+            self._check_usable()
+        if nbytes > self._payload_bytes:
+            self._check_size(nbytes)
+        q = self._q
+        if self._next - q[_READ_COUNT] >= self._num_slots:
             deadline, t = self._deadline(timeout)
             self._wait(self._has_space, deadline, "a free slot", t)
-        base = self._slot()
-        self._prev_seq = self._q[base // 8]
-        self._q[base // 8] = L.SEQ_BUSY
-        self._fence.weak()  # NOTE: BUSY is visible before any payload byte changes.
+        base = L.CTRL_BYTES + (self._next % self._num_slots) * self._slot_bytes
+        self._prev_seq = q[base // 8]
+        q[base // 8] = L.SEQ_BUSY
+        if not IS_TSO:
+            self._fence.weak()  # NOTE: BUSY is visible before any payload byte changes.
         return base + L.SLOT_HEADER_BYTES
 
     def _abandon(self) -> None:
         self._q[self._slot() // 8] = self._prev_seq
 
     def _publish(self, nbytes: int) -> None:
-        base = self._slot()
+        base = L.CTRL_BYTES + (self._next % self._num_slots) * self._slot_bytes
         seq = self._next + 1
-        payload = self._mv[base + L.SLOT_HEADER_BYTES : base + L.SLOT_HEADER_BYTES + nbytes]
-        crc = L.slot_crc(seq, self._epoch, nbytes, payload)
-        payload.release()
-        self._q[(base + L.SLOT_EPOCH) // 8] = self._epoch
-        self._i[(base + L.SLOT_LENGTH) // 4] = nbytes
-        self._i[(base + L.SLOT_CRC) // 4] = crc
-        self._fence.weak()  # NOTE: header and payload are visible before seq.
-        self._q[base // 8] = seq  # NOTE: published last.
-        self._q[L.OFF_WRITE_COUNT // 8] = seq
+        q, i, epoch = self._q, self._i, self._epoch
+        start = base + L.SLOT_HEADER_BYTES
+        with self._mv[start : start + nbytes] as payload:
+            crc = L.slot_crc(seq, epoch, nbytes, payload)
+        q[(base + L.SLOT_EPOCH) // 8] = epoch
+        i[(base + L.SLOT_LENGTH) // 4] = nbytes
+        i[(base + L.SLOT_CRC) // 4] = crc
+        if not IS_TSO:
+            self._fence.weak()  # NOTE: header and payload are visible before seq.
+        q[base // 8] = seq  # NOTE: published last.
+        q[_WRITE_COUNT] = seq
         self._next = seq
-        self.stats.messages += 1
-        self.stats.bytes += nbytes
-        self._ring_peer_if_parked()
+        stats = self.stats
+        stats.messages += 1
+        stats.bytes += nbytes
+        self._fence.full()  # NOTE: orders the seq store before the load of the reader's parked word.
+        if i[_READER_PARKED]:
+            self._bell_peer.ring()
+            stats.doorbells += 1
 
 
 class RingReader(RingEndpoint):
@@ -211,12 +226,10 @@ class RingReader(RingEndpoint):
     def get(self, timeout: float | None = None) -> bytes:
         """Wait (bounded) for the next message and return a copy of it."""
         view = self._acquire(timeout)
-        nbytes = view.nbytes
-        try:
-            return bytes(view)
-        finally:
-            view.release()
-            self._hand_back(nbytes)
+        with view:
+            data = bytes(view)
+        self._hand_back(len(data))
+        return data
 
     def poll(self) -> bytes | None:
         """The next message if one is published now, else None; never waits."""
@@ -245,35 +258,28 @@ class RingReader(RingEndpoint):
             view.release()
             self._hand_back(nbytes)
 
-    @contextmanager
-    def acquire_read(self, timeout: float | None = None) -> Iterator[memoryview]:
+    def acquire_read(self, timeout: float | None = None) -> "_ReadLease":
         """Lend the next validated payload without copying; the slot is handed back on exit.
 
         The message counts as consumed even if the block raises. The view must not outlive the block:
         a reference to the lent view still held at exit raises RingError and poisons the ring.
         Derived views (slices, numpy.frombuffer) cannot be tracked: copy what you keep.
         """
-        view = self._acquire(timeout)
-        nbytes = view.nbytes
-        refs = _refcount(view)
-        try:
-            yield view
-        finally:
-            kept = not _release(view, refs)  # NOTE: own statement, so no extra reference is on the stack
-            self._hand_back(nbytes, escaped=kept)
+        return _ReadLease(self, self._acquire(timeout))
 
     def pending(self) -> int:
         """Messages published but not yet consumed (a snapshot)."""
         return self._q[L.OFF_WRITE_COUNT // 8] - self._next
 
     def _slot(self) -> int:
-        return L.CTRL_BYTES + (self._next % self.config.num_slots) * self.config.slot_bytes
+        return L.CTRL_BYTES + (self._next % self._num_slots) * self._slot_bytes
 
     def _published(self) -> bool:
-        return self._q[self._slot() // 8] == self._next + 1
+        return self._q[(L.CTRL_BYTES + (self._next % self._num_slots) * self._slot_bytes) // 8] == self._next + 1
 
     def _acquire(self, timeout: float | None) -> memoryview:
-        self._check_usable()
+        if self._closed or self._broken is not None:
+            self._check_usable()
         if not self._published():
             deadline, t = self._deadline(timeout)
             self._wait(self._published_or_corrupt, deadline, "a message", t)
@@ -297,7 +303,7 @@ class RingReader(RingEndpoint):
 
     def _validate(self) -> memoryview:
         """Return the payload view of message ``_next`` after every check passes, else raise."""
-        base = self._slot()
+        base = L.CTRL_BYTES + (self._next % self._num_slots) * self._slot_bytes
         q, i = self._q, self._i
         expect = self._next + 1
         if self._epoch == 0:
@@ -305,7 +311,8 @@ class RingReader(RingEndpoint):
         for attempt in range(_CONFIRM_TRIES):
             seq, epoch = q[base // 8], q[(base + L.SLOT_EPOCH) // 8]
             n, crc = i[(base + L.SLOT_LENGTH) // 4], i[(base + L.SLOT_CRC) // 4]
-            self._fence.weak()  # NOTE: header loads happen before payload loads.
+            if not IS_TSO:
+                self._fence.weak()  # NOTE: header loads happen before payload loads.
             if seq != expect:
                 reason, detail = "sequence", f"slot holds seq {seq}, expected {expect}"
             elif n > self.config.payload_bytes:
@@ -316,7 +323,8 @@ class RingReader(RingEndpoint):
                 start = base + L.SLOT_HEADER_BYTES
                 view = self._mv[start : start + n]
                 if L.slot_crc(seq, epoch, n, view) == crc:
-                    self._fence.weak()  # NOTE: payload loads happen before the seq re-check.
+                    if not IS_TSO:
+                        self._fence.weak()  # NOTE: payload loads happen before the seq re-check.
                     if q[base // 8] == expect:
                         return view
                     reason, detail = "torn", f"seq changed from {expect} while reading"
@@ -329,12 +337,38 @@ class RingReader(RingEndpoint):
 
     def _hand_back(self, nbytes: int, escaped: bool = False) -> None:
         """Give the current slot back to the writer (the caller has released its view)."""
-        self._fence.weak()  # NOTE: all payload loads are done before the slot is handed back.
+        if not IS_TSO:
+            self._fence.weak()  # NOTE: all payload loads are done before the slot is handed back.
         self._next += 1
-        self._q[L.OFF_READ_COUNT // 8] = self._next
-        self.stats.messages += 1
-        self.stats.bytes += nbytes
-        self._ring_peer_if_parked()
+        self._q[_READ_COUNT] = self._next
+        stats = self.stats
+        stats.messages += 1
+        stats.bytes += nbytes
+        self._fence.full()  # NOTE: orders the read_count store before the load of the writer's parked word.
+        if self._i[_WRITER_PARKED]:
+            self._bell_peer.ring()
+            stats.doorbells += 1
         if escaped:
             self._broken = "a slot view escaped acquire_read"
             raise RingError("a view of the slot outlived acquire_read; the ring can no longer be trusted")
+
+
+class _ReadLease:
+    """The context of `acquire_read`: lends the validated view, hands the slot back on exit and
+    refuses to trust the ring if the view outlived the block (a plain class: a generator-based
+    context manager costs as much as the rest of a read)."""
+
+    __slots__ = ("_reader", "_view", "_nbytes", "_refs")
+
+    def __init__(self, reader: RingReader, view: memoryview):
+        self._reader, self._view, self._nbytes = reader, view, view.nbytes
+
+    def __enter__(self) -> memoryview:
+        self._refs = _refcount(self._view)
+        return self._view
+
+    def __exit__(self, *exc: object) -> None:
+        view, self._view = self._view, None
+        kept = not _release(view, self._refs)  # the same count of holders as at __enter__: nothing escaped
+        del view
+        self._reader._hand_back(self._nbytes, escaped=kept)

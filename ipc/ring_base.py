@@ -54,6 +54,9 @@ class RingEndpoint:
         self._q = self._mv.cast("Q")
         self._i = self._mv.cast("I")
         self.config = self._read_geometry(config)
+        # Geometry as plain attributes: the hot paths read them on every message.
+        self._num_slots, self._slot_bytes = self.config.num_slots, self.config.slot_bytes
+        self._payload_bytes = self.config.payload_bytes
         self.name = seg.name
         paths = fifo_paths(seg.name)
         self._bell_mine = Doorbell(paths[self.MY_FIFO])

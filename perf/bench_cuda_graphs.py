@@ -22,8 +22,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.checkpoint import preset_config, random_state, write_checkpoint  # noqa: E402
-from engine.engine import Engine, EngineConfig  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.engine import Engine  # noqa: E402
+from ipc.messages import SamplingParams  # noqa: E402
 from engine.weights import load_model  # noqa: E402
 
 
@@ -42,21 +43,21 @@ def decode_steps(model, batch: int, prompt_len: int, steps: int, static: bool, k
     gen = torch.Generator().manual_seed(1)
     for i in range(batch):
         prompt = torch.randint(2, model.cfg.vocab_size, (prompt_len,), generator=gen).tolist()
-        engine.add_request(str(i), prompt, SamplingParams(max_tokens=steps * (k + 1) + 4, ignore_eos=True))
-    out: dict[str, list[int]] = {str(i): [] for i in range(batch)}
+        engine.add_request(i, prompt, SamplingParams(max_tokens=steps * (k + 1) + 4, ignore_eos=True))
+    out: dict[int, list[int]] = {i: [] for i in range(batch)}
     times = []
     while engine.has_work:
         prefilling = any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) \
             or bool(engine.scheduler.waiting)
         _sync(device)
         t0 = time.perf_counter()
-        deltas = engine.step()
+        deltas = engine.step().deltas
         _sync(device)
         if not prefilling and len(engine.scheduler.running) == batch and len(times) < steps:
             times.append(time.perf_counter() - t0)
         for d in deltas:
             out[d.request_id].extend(d.token_ids)
-    replays = engine.graphs.num_replays if engine.graphs is not None else 0
+    replays = engine.static.num_replays if engine.static is not None else 0
     return statistics.median(times[2:] or times), out, replays
 
 

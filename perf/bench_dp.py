@@ -22,9 +22,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.engine import EngineConfig  # noqa: E402
-from engine.worker import new_event_loop  # noqa: E402
-from ipc import SamplingParamsMsg  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from ipc.loop import new_event_loop  # noqa: E402
+from ipc.messages import SamplingParams  # noqa: E402
 from server.builtin import make_model_dir  # noqa: E402
 from server.engine_client import EngineClient  # noqa: E402
 
@@ -55,7 +55,7 @@ async def run(model_dir: Path, dp: int, policy: str, requests, rate: float) -> t
             await asyncio.sleep(0.1)
 
     async def one(ids, max_tokens):
-        params = SamplingParamsMsg(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         async for _ in client.generate(ids, params):
             pass
 

@@ -19,12 +19,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.attention import SeqSlice  # noqa: E402
+from engine.attention import SeqSlice, SequenceContext  # noqa: E402
 from engine.checkpoint import preset_config, random_state, write_checkpoint  # noqa: E402
-from engine.generate import generate  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.engine import Engine  # noqa: E402
 from engine.kv_cache import KVCache  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
 from engine.weights import load_model  # noqa: E402
+from ipc.messages import SamplingParams  # noqa: E402
 
 
 @torch.inference_mode()
@@ -37,9 +38,21 @@ def teacher_forced(model, kv_dtype: str, prompt: list[int], path: list[int]) -> 
     for start in range(0, len(ids), 64):
         end = min(len(ids), start + 64)
         assert cache.allocate(seq, start, end)
-        streams = model(ids[start:end], torch.arange(start, end), [SeqSlice(seq, start, 0, end - start)])
+        streams = model(ids[start:end], torch.arange(start, end), SequenceContext([SeqSlice(seq, start, 0, end - start)]))
         out.append(torch.log_softmax(model.logits(streams), dim=-1))
     return torch.cat(out)[len(prompt) - 1 : -1]
+
+
+def greedy_paths(model, prompts: list[list[int]], steps: int) -> list[list[int]]:
+    """Each prompt's greedy continuation through the engine, with bf16 KV."""
+    engine = Engine(model, EngineConfig(kv_dtype="bf16", max_num_seqs=len(prompts), num_kv_blocks=64 * len(prompts)))
+    paths: list[list[int]] = [[] for _ in prompts]
+    for i, prompt in enumerate(prompts):
+        engine.add_request(i, prompt, SamplingParams(max_tokens=steps, ignore_eos=True))
+    while engine.has_work:
+        for d in engine.step().deltas:
+            paths[d.request_id].extend(d.token_ids)
+    return paths
 
 
 def main() -> None:
@@ -54,9 +67,7 @@ def main() -> None:
         model = load_model(tmp, dtype=torch.float32, progress=False, load_mtp=False)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(2, cfg.vocab_size, (args.prompt_len,), generator=gen).tolist() for _ in range(args.prompts)]
-    ref_cache = KVCache.for_model(model, "bf16", max_num_seqs=len(prompts), num_full_blocks=64 * len(prompts))
-    params = SamplingParams(max_tokens=args.steps, ignore_eos=True)
-    paths = [g.token_ids for g in generate(model, prompts, params, cache=ref_cache)]
+    paths = greedy_paths(model, prompts, args.steps)
     print(f"small preset, {args.prompts} prompts × {args.steps} greedy steps, reference = bf16 KV greedy path")
     print(f"{'kv-dtype':9} {'global B/token':>15} {'top-1 agreement':>16} {'mean |Δ logprob|':>17}")
     for kv_dtype in ("bf16", "fp8", "fp4"):

@@ -23,16 +23,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.checkpoint import preset_config, random_state, write_checkpoint  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
+from ipc.messages import SamplingParams  # noqa: E402
 from server.llm import LLM  # noqa: E402
 
 
 def run_ringserve(model_dir: str, prompts: list[list[int]], output_len: int, args) -> float:
-    llm = LLM(model_dir, dtype="fp32", max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
-              kv_cache_memory_bytes=4 << 30)
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, SamplingParams(max_tokens=output_len, ignore_eos=True))
-    elapsed = time.perf_counter() - t0
+    with LLM(model_dir, dtype="fp32", max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
+             kv_cache_memory_bytes=4 << 30) as llm:
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, SamplingParams(max_tokens=output_len, ignore_eos=True))
+        elapsed = time.perf_counter() - t0
     assert all(len(o.token_ids) == output_len for o in outs)
     return elapsed
 

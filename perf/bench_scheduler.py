@@ -24,8 +24,9 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.checkpoint import preset_config  # noqa: E402
-from engine.engine import Engine, EngineConfig  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.engine import Engine  # noqa: E402
+from ipc.messages import SamplingParams  # noqa: E402
 
 
 class NullModel(nn.Module):
@@ -40,8 +41,6 @@ class NullModel(nn.Module):
         self.dtype, self.device = torch.float32, torch.device("cpu")
 
     def forward(self, token_ids, positions, ctx):
-        for s in ctx if isinstance(ctx, list) else []:
-            s.state.num_tokens = s.start + s.length
         return torch.zeros(token_ids.shape[0], 1, 1)
 
     def logits(self, streams):
@@ -57,7 +56,7 @@ def measure(batch: int, steps: int, vocab: int, static: bool = False) -> float:
                                         static_decode=static, cuda_graph_sizes=(1, 64, 256)))
     params = SamplingParams(max_tokens=30000, ignore_eos=True)
     for i in range(batch):
-        engine.add_request(str(i), [5] * 64, params)
+        engine.add_request(i, [5] * 64, params)
     while any(r.num_computed_tokens < 64 for r in engine.scheduler.requests.values()):
         engine.step()  # prefill out of the way
     times = []

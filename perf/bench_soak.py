@@ -21,19 +21,20 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.checkpoint import preset_config, random_state, write_checkpoint  # noqa: E402
-from engine.engine import Engine, EngineConfig  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.engine import Engine  # noqa: E402
+from ipc.messages import SamplingParams  # noqa: E402
 from engine.weights import load_model  # noqa: E402
-from engine.worker import Worker, new_event_loop  # noqa: E402
+from engine.worker import Worker  # noqa: E402
+from ipc.loop import new_event_loop  # noqa: E402
 
 
 async def soak(worker: Worker, seconds: float, vocab: int) -> int:
     rng = random.Random(0)
     done = {"n": 0}
 
-    def emit(delta):
-        if delta.finish_reason:
-            done["n"] += 1
+    def emit(out):
+        done["n"] += len(out.finished)
 
     worker.emit = emit
     task = asyncio.ensure_future(worker.run())
@@ -42,7 +43,7 @@ async def soak(worker: Worker, seconds: float, vocab: int) -> int:
     while time.monotonic() < end:
         if len(worker.engine.scheduler.requests) < 12:
             ids = [rng.randrange(3, vocab) for _ in range(rng.randint(4, 200))]
-            worker.submit(str(i), ids, SamplingParams(max_tokens=rng.randint(4, 64), ignore_eos=True))
+            worker.submit(i, ids, SamplingParams(max_tokens=rng.randint(4, 64), ignore_eos=True))
             i += 1
         await asyncio.sleep(0.01)
     worker.stop()

@@ -22,8 +22,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.checkpoint import preset_config, random_state, write_checkpoint  # noqa: E402
-from engine.engine import Engine, EngineConfig  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.engine import Engine  # noqa: E402
+from ipc.messages import SamplingParams  # noqa: E402
 from engine.weights import load_model  # noqa: E402
 
 
@@ -32,11 +33,11 @@ def run(model, k: int, prompt: list[int], tokens: int, oracle: list[int] | None 
                                         kv_cache_memory_bytes=256 << 20, adaptive_speculation=adaptive))
     if oracle is not None:
         engine.runner.draft_override = lambda req, acc, d: oracle[req.num_output_tokens + len(acc):][:k] or d
-    engine.add_request("0", prompt, SamplingParams(max_tokens=tokens, ignore_eos=True))
+    engine.add_request(0, prompt, SamplingParams(max_tokens=tokens, ignore_eos=True))
     out = [t for d in engine.step() for t in d.token_ids]  # prefill and the first token (not timed)
     t0 = time.perf_counter()
     while engine.has_work:
-        for d in engine.step():
+        for d in engine.step().deltas:
             out.extend(d.token_ids)
     elapsed = time.perf_counter() - t0
     st = engine.stats

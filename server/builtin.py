@@ -1,14 +1,17 @@
 """The built-in demo model: the `small` preset with seed 0, generated once into a cache dir.
 
 Generated rather than shipped so the repository stays small; generation is deterministic, so
-every machine gets identical weights. The directory is built under a temporary name and renamed
-into place, so a crash mid-write never leaves a half-written model behind.
+every machine gets identical weights. It runs in a child process (`python -m server.builtin`),
+so that the caller, e.g. the HTTP server, never loads torch. The directory is built under a
+temporary name and renamed into place, so a crash mid-write never leaves a half-written model.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -43,7 +46,7 @@ def builtin_model_dir() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=BUILTIN_NAME + ".", dir=target.parent))
     try:
-        make_model_dir(staging, "small")
+        subprocess.run([sys.executable, "-m", "server.builtin", str(staging)], check=True)
         try:
             staging.rename(target)
         except OSError:  # another process won the race; its copy is identical
@@ -51,3 +54,7 @@ def builtin_model_dir() -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+if __name__ == "__main__":
+    make_model_dir(sys.argv[1], "small")

@@ -85,7 +85,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from(args: argparse.Namespace):
-    from engine.engine import EngineConfig
+    from engine.config import EngineConfig
 
     return EngineConfig(mode=args.mode, dtype=args.dtype, kv_dtype=args.kv_dtype, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
@@ -238,38 +238,41 @@ def _parse_ids(text: str, flag: str) -> list[int]:
         raise CliError(f"{flag}: expected comma-separated integers, got {text!r}") from None
 
 
-def _check_ids(prompts: list[list[int]], vocab_size: int) -> None:
-    for i, ids in enumerate(prompts):
-        if not ids:
-            raise CliError(f"prompt {i} is empty")
-        bad = [t for t in ids if not 0 <= t < vocab_size]
-        if bad:
-            raise CliError(f"prompt {i}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
-
-
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from engine.sampling import SamplingParams
+    from ipc.codec import InvalidField, check
+    from ipc.messages import SamplingParams
+    from engine.config import ModelConfig
     from server.builtin import builtin_model_dir
-    from server.llm import LLM
+    from server.llm import LLM, validate_request
 
     model_dir = Path(args.model_dir) if args.model_dir else builtin_model_dir()
     if not model_dir.is_dir():
         raise CliError(f"{model_dir}: not a directory")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, logprobs=args.logprobs, ignore_eos=args.ignore_eos)
+    try:
+        check(params)
+    except InvalidField as exc:
+        flag = "--" + exc.field.replace("_", "-")
+        raise CliError(f"{exc.field} ({flag}): {exc.reason}, got {getattr(params, exc.field)!r}") from None
     prompts = _read_prompts(args, _load_tokenizer(model_dir))
     config = engine_config_from(args)
     if args.dp < 1:
         raise CliError("--dp must be ≥ 1")
-    if args.dp > 1:
-        from engine.config import ModelConfig
-
-        _check_ids(prompts, ModelConfig.from_model_dir(model_dir).vocab_size)
-        results = _generate_dp(model_dir, config, args.dp, prompts, params)
-    else:
-        llm = LLM(model_dir, **config.to_dict())
-        _check_ids(prompts, llm.model.cfg.vocab_size)
+    model_cfg = ModelConfig.from_model_dir(model_dir)
+    for i, ids in enumerate(prompts):  # every prompt checked before a worker starts
+        validate_request(model_cfg.vocab_size, config.context_length(model_cfg), ids, params, i)
+    llm = LLM(model_dir, dp=args.dp, **config.to_dict())
+    try:
         results = llm.generate(prompts, params)
+    except KeyboardInterrupt:
+        # The workers ignore SIGINT, so stopping them is ours; what their teardown under
+        # in-flight requests would log is what the user asked for: quiet.
+        for name in ("server", "ipc", "asyncio"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+        raise
+    finally:
+        llm.close()
     for i, r in enumerate(results):
         if r.error:
             print(f"ringserve: prompt {i}: {r.error}", file=sys.stderr)
@@ -284,59 +287,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         else:
             print(r.text if r.text is not None else " ".join(map(str, r.token_ids)), flush=True)
     return 0
-
-
-def _generate_dp(model_dir: Path, config, dp: int, prompts: list[list[int]], params) -> list:
-    """Run the prompts through `dp` worker processes (rings + DP router); outputs in input order."""
-    from engine.worker import new_event_loop
-    from ipc import SamplingParamsMsg
-    from server.engine_client import EngineClient
-    from server.llm import RequestOutput
-
-    msg = SamplingParamsMsg(max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
-                            top_k=params.top_k or -1, seed=params.seed, logprobs=params.logprobs,
-                            ignore_eos=params.ignore_eos)
-    tokenizer = _load_tokenizer(model_dir)
-
-    async def one(client, i: int, ids: list[int]) -> RequestOutput:
-        out = RequestOutput(str(i), ids, logprobs=[] if params.logprobs is not None else None,
-                            top_logprobs=[] if params.logprobs is not None else None)
-        async for item in client.generate(ids, msg):
-            out.token_ids.extend(item.token_ids)
-            if item.logprobs is not None:
-                out.logprobs.extend(item.logprobs)
-                out.top_logprobs.extend(item.top_logprobs or [[] for _ in item.token_ids])
-            if item.finish_reason:
-                out.finish_reason, out.error = item.finish_reason, item.error
-        out.text = tokenizer.decode(out.token_ids) if tokenizer is not None else None
-        return out
-
-    client = EngineClient(model_dir, config, dp=dp)
-
-    async def run() -> list:
-        await client.start()
-        return await asyncio.gather(*(one(client, i, p) for i, p in enumerate(prompts)))
-
-    loop = new_event_loop()
-    task = loop.create_task(run())
-    try:
-        return loop.run_until_complete(task)
-    finally:
-        # Also after Ctrl-C, which leaves `task` suspended mid-await: the workers ignore SIGINT,
-        # so stopping them is ours. Then the cancelled requests unwind without sending aborts
-        # (their ranks are gone). What the teardown of an interrupted run would log (ranks
-        # stopping, rings closing under in-flight requests) is what the user asked for: quiet.
-        if not task.done():
-            for name in ("server", "ipc", "asyncio"):
-                logging.getLogger(name).setLevel(logging.CRITICAL)
-        loop.run_until_complete(client.shutdown(timeout_s=5.0))
-        if not task.done():
-            task.cancel()
-            try:
-                loop.run_until_complete(task)
-            except BaseException:  # noqa: BLE001 — the interrupt (or error) being raised already wins
-                pass
-        loop.close()
 
 
 def _load_tokenizer(model_dir: Path):
@@ -357,8 +307,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from engine.config import ConfigError
-    from engine.sampling import SamplingError
-    from engine.weights import WeightLoadError
     from server.engine_client import WorkerDied
 
     try:
@@ -366,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("ringserve: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except (CliError, ConfigError, WeightLoadError, SamplingError, WorkerDied, ValueError, OSError) as exc:
+    except (CliError, ConfigError, WorkerDied, ValueError, OSError) as exc:
         message = " ".join(str(exc).split())  # one line, whatever the exception carried
         print(f"ringserve: error: {message}", file=sys.stderr)
         return EXIT_USAGE

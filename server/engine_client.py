@@ -1,35 +1,39 @@
-"""The server side of the workers: spawn one process per rank, own its two rings, route requests
-by token load, stream each request's output to its caller, and notice a dead or stuck rank.
+"""The one client of the worker processes, used by the HTTP server, `ringserve generate` and the
+offline `LLM`: spawn one process per rank, own its rings, route requests by token load, stream
+each request's output to its caller, and notice a dead or stuck rank.
 
-Per rank: a request ring (server writes Submit/Abort/Shutdown) and an output ring (the worker
-writes TokenDelta/Finished/Error/Heartbeat). A listener task per rank decodes the output ring
-into per-request queues. Process death is seen through the process sentinel (an fd the event
-loop watches), within milliseconds, not through missing heartbeats; the dead rank's in-flight
-requests fail with a clear error while the others keep running. A watchdog names a rank whose
-step has run longer than `stuck_after_s`, with the step number and its duration.
+Per rank: a request ring (Submit), a control ring (Abort, Shutdown) and an output ring
+(WorkerReady, StepOutputs, Heartbeat, Shutdown). Aborts are queued per rank and flushed by one
+task in batches, so a cancellation is never dropped, even while the control ring is full. A
+listener task per rank decodes the output ring into per-request queues of `TokenDelta` and
+`Finished` (the wire messages themselves). Process death is seen through the process sentinel
+(an fd the event loop watches) within milliseconds; the dead rank's in-flight requests end with
+an error naming the cause while the others keep running.
+
+This module never imports torch: the HTTP process stays light (see docs/lifecycle.md).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import multiprocessing
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator
+from typing import AsyncIterator, Union
 
-from engine.engine import EngineConfig
-from ipc import (Abort, Error, Finished, Heartbeat, IpcError, RingConfig, RingReader, RingWriter, SamplingParamsMsg,
-                 Shutdown, Submit, TokenDelta, WorkerReady, decode, encode)
-
+from engine.config import EngineConfig
+from ipc import (Abort, Finished, Heartbeat, IpcError, RingConfig, RingReader, RingWriter, SamplingParams, Shutdown,
+                 StepOutputs, Submit, TokenDelta, WorkerReady, decode, encode)
 from ipc.segment import remove_orphans
 
 from .router import DPRouter
 
 logger = logging.getLogger(__name__)
+
+Output = Union[TokenDelta, Finished]  # what a request's stream yields; it ends with one Finished
 
 
 class WorkerDied(RuntimeError):
@@ -37,23 +41,13 @@ class WorkerDied(RuntimeError):
 
 
 def _slot_bytes(max_model_len: int | None) -> int:
-    """A ring slot must hold a Submit of the longest prompt (4 bytes a token) plus its header."""
-    need = 4 * (max_model_len or 32768) + (64 << 10)
+    """A request-ring slot must hold a Submit of the longest prompt (≤ 5 bytes a token) plus
+    its header."""
+    need = 5 * (max_model_len or 32768) + (64 << 10)
     return max(1 << 20, -(-need // 64) * 64)
 
 
-@dataclass
-class Output:
-    """One item of a request's output stream."""
-
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] | None = None
-    top_logprobs: list | None = None
-    finish_reason: str | None = None
-    error: str | None = None
-    error_code: int = 0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
+CONTROL_RING = RingConfig(slot_bytes=64 << 10, num_slots=64)
 
 
 @dataclass
@@ -61,17 +55,22 @@ class _Rank:
     index: int
     process: multiprocessing.Process
     requests: RingWriter
+    control: RingWriter
     outputs: RingReader
     ready: WorkerReady | None = None
     alive: bool = True
     last_beat: Heartbeat | None = None
     inflight: set[int] = field(default_factory=set)
+    aborts: list[int] = field(default_factory=list)  # waiting for the abort flusher
+    abort_wakeup: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class EngineClient:
     def __init__(self, model_dir: str | Path, config: EngineConfig, dp: int = 1, device: str = "cpu",
                  threads_per_worker: int | None = None, ring_config: RingConfig | None = None,
                  stuck_after_s: float = 30.0, ready_timeout_s: float = 600.0, routing: str = "token_load"):
+        if dp < 1:
+            raise ValueError(f"--dp must be ≥ 1, got {dp}")
         self.model_dir, self.config, self.dp, self.device = str(model_dir), config, dp, device
         self.threads = threads_per_worker or max(1, (os.cpu_count() or 1) // dp)
         self.ring_config = ring_config or RingConfig(slot_bytes=_slot_bytes(config.max_model_len), num_slots=64)
@@ -92,15 +91,16 @@ class EngineClient:
         ctx = multiprocessing.get_context("spawn")
         from server.worker_entry import run_worker
 
-        config_json = json.dumps(self.config.to_dict())
+        config_json = self.config.to_json().decode()
         for rank in range(self.dp):
             requests = RingWriter.create(self.ring_config)
+            control = RingWriter.create(CONTROL_RING)
             outputs = RingReader.create(self.ring_config)
             proc = ctx.Process(target=run_worker, name=f"ringserve-rank{rank}", daemon=True,
-                               args=(rank, self.model_dir, config_json, requests.name, outputs.name, self.threads,
-                                     self.device))
+                               args=(rank, self.model_dir, config_json, requests.name, control.name, outputs.name,
+                                     self.threads, self.device, worker_device(self.device, rank)))
             proc.start()
-            self.ranks.append(_Rank(rank, proc, requests, outputs))
+            self.ranks.append(_Rank(rank, proc, requests, control, outputs))
         try:
             await asyncio.gather(*(self._await_ready(r) for r in self.ranks))
         except BaseException:
@@ -110,6 +110,7 @@ class EngineClient:
         for r in self.ranks:
             loop.add_reader(r.process.sentinel, self._on_sentinel, r)
             self._tasks.append(asyncio.ensure_future(self._listen(r)))
+            self._tasks.append(asyncio.ensure_future(self._flush_aborts(r)))
         self._tasks.append(asyncio.ensure_future(self._watchdog()))
 
     async def _await_ready(self, r: _Rank) -> None:
@@ -122,7 +123,7 @@ class EngineClient:
             except IpcError:
                 data = None
             if data is not None:
-                msg = decode(data)
+                msg = decode(data, "from_worker")
                 if isinstance(msg, WorkerReady):
                     r.ready = msg
                 elif isinstance(msg, Shutdown):
@@ -146,12 +147,13 @@ class EngineClient:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
         loop = asyncio.get_running_loop()
         for r in self.ranks:
             loop.remove_reader(r.process.sentinel)
             if r.alive and r.process.is_alive():
                 try:
-                    r.requests.put(encode(Shutdown("server shutdown")), timeout=1.0)
+                    r.control.put(encode(Shutdown("server shutdown")), timeout=1.0)
                 except IpcError:
                     pass
         deadline = time.monotonic() + timeout_s
@@ -162,18 +164,18 @@ class EngineClient:
                 r.process.kill()
             r.process.join(timeout=5)
             r.alive = False  # nothing more is sent to it (aborts of cancelled requests included)
-            r.requests.close()
-            r.outputs.close()
-        for q in self._queues.values():
-            q.put_nowait(Output(finish_reason="abort", error="server shutting down", error_code=503))
+            for ring in (r.requests, r.control, r.outputs):
+                ring.close()
+        for rid in list(self._queues):
+            self._deliver(rid, Finished(rid, "abort", 0, 0, "server shutting down", 503))
 
     # ---- requests --------------------------------------------------------------------------
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParamsMsg,
-                       request_id: int | None = None) -> AsyncIterator[Output]:
-        """Submit a request and yield its output as it arrives, ending with a finish item.
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: int | None = None,
+                       session: str | None = None) -> AsyncIterator[Output]:
+        """Submit a request and yield its output as it arrives, ending with its `Finished`.
         Cancelling the iteration aborts the request in its worker."""
         rid = self.new_request_id() if request_id is None else request_id
-        rank = self.router.assign(rid, len(prompt_token_ids), params.max_tokens, params.session_id)
+        rank = self.router.assign(rid, len(prompt_token_ids), params.max_tokens, session)
         r = self.ranks[rank]
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = queue
@@ -181,17 +183,17 @@ class EngineClient:
         r.inflight.add(rid)
         finished = False
         try:
-            await r.requests.put_async(encode(Submit(rid, list(prompt_token_ids), params),
-                                              max_bytes=r.requests.capacity), timeout=30.0)
+            await r.requests.put_async(encode(Submit(rid, prompt_token_ids, params), max_bytes=r.requests.capacity),
+                                       timeout=30.0)
             while True:
                 item: Output = await queue.get()
-                finished = item.finish_reason is not None
+                finished = isinstance(item, Finished)
                 yield item
                 if finished:
                     return
         finally:
             if not finished:
-                await self.abort(rid)
+                self.abort(rid)
             self._forget(rid)
 
     def new_request_id(self) -> int:
@@ -199,14 +201,28 @@ class EngineClient:
         self._next_id += 1
         return rid
 
-    async def abort(self, request_id: int) -> None:
+    def abort(self, request_id: int) -> None:
+        """Queue an abort for the request's rank; the rank's flusher delivers it (never dropped)."""
         rank = self._owner.get(request_id)
         if rank is None or not self.ranks[rank].alive:
             return
-        try:
-            await self.ranks[rank].requests.put_async(encode(Abort(request_id)), timeout=5.0)
-        except IpcError as exc:
-            logger.warning("abort of request %d on rank %d failed: %s", request_id, rank, exc)
+        r = self.ranks[rank]
+        r.aborts.append(request_id)
+        r.abort_wakeup.set()
+
+    async def _flush_aborts(self, r: _Rank) -> None:
+        """Write queued aborts to the rank's control ring, as many per message as are waiting."""
+        while r.alive:
+            await r.abort_wakeup.wait()
+            r.abort_wakeup.clear()
+            while r.aborts and r.alive:
+                batch, r.aborts = r.aborts[:4096], r.aborts[4096:]
+                try:
+                    await r.control.put_async(encode(Abort(batch)), timeout=3600.0)
+                except IpcError as exc:
+                    if r.alive:
+                        logger.error("rank %d control ring failed: %s", r.index, exc)
+                    return
 
     def _forget(self, rid: int) -> None:
         rank = self._owner.pop(rid, None)
@@ -217,31 +233,25 @@ class EngineClient:
 
     # ---- output side -----------------------------------------------------------------------
     async def _listen(self, r: _Rank) -> None:
-        pending_error: dict[int, Error] = {}
         while r.alive:
             try:
-                msg = decode(await r.outputs.get_async(timeout=3600.0))
+                msg = decode(await r.outputs.get_async(timeout=3600.0), "from_worker")
             except asyncio.CancelledError:
                 raise
             except IpcError as exc:
                 if r.alive and r.process.is_alive():
                     logger.error("rank %d output ring failed: %s", r.index, exc)
                 return
-            if isinstance(msg, Heartbeat):
+            if isinstance(msg, StepOutputs):
+                for delta in msg.deltas:
+                    self.router.on_tokens(delta.request_id, len(delta.token_ids))
+                    self._deliver(delta.request_id, delta)
+                for done in msg.finished:
+                    self.router.on_finish(done.request_id, done.completion_tokens)
+                    self._deliver(done.request_id, done)
+            elif isinstance(msg, Heartbeat):
                 r.last_beat = msg
                 self.router.on_heartbeat(r.index, msg.kv_blocks_used)
-            elif isinstance(msg, TokenDelta):
-                self.router.on_tokens(msg.request_id, len(msg.token_ids))
-                self._deliver(msg.request_id, Output(list(msg.token_ids), msg.logprobs, msg.top_logprobs))
-            elif isinstance(msg, Error):
-                pending_error[msg.request_id] = msg
-            elif isinstance(msg, Finished):
-                err = pending_error.pop(msg.request_id, None)
-                self.router.on_finish(msg.request_id, msg.completion_tokens)
-                self._deliver(msg.request_id, Output(finish_reason=msg.reason, error=err.message if err else None,
-                                                     error_code=err.code if err else 0,
-                                                     prompt_tokens=msg.prompt_tokens,
-                                                     completion_tokens=msg.completion_tokens))
             elif isinstance(msg, Shutdown):
                 logger.warning("rank %d: %s", r.index, msg.reason)
 
@@ -255,11 +265,12 @@ class EngineClient:
         if not r.alive:
             return
         r.alive = False
+        r.abort_wakeup.set()
         r.process.join(timeout=1)
         reason = f"worker rank {r.index} died (exit code {r.process.exitcode})"
         logger.error("%s; failing its %d in-flight requests", reason, len(r.inflight))
         for rid in self.router.mark_dead(r.index) + list(r.inflight):
-            self._deliver(rid, Output(finish_reason="error", error=reason, error_code=503))
+            self._deliver(rid, Finished(rid, "error", 0, 0, reason, 503))
         r.inflight.clear()
         for callback in self.on_dead:
             callback(r.index)
@@ -283,3 +294,18 @@ class EngineClient:
                 if self.stuck.get(r.index) is None:
                     logger.error("watchdog: %s", what)
                 self.stuck[r.index] = what
+
+
+def worker_device(device: str, rank: int) -> str | None:
+    """The accelerator a rank's process may see (`CUDA_VISIBLE_DEVICES` for it), or None on CPU.
+    Rank r takes the r-th device of what this process may see (its own CUDA_VISIBLE_DEVICES, if
+    set, else all), so with --dp N each rank owns its own GPU and addresses it as cuda:0."""
+    if not device.startswith("cuda"):
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = [d.strip() for d in visible.split(",") if d.strip()] if visible else None
+    if devices is None:
+        return str(rank)
+    if rank >= len(devices):
+        raise ValueError(f"--dp needs {rank + 1} GPUs but CUDA_VISIBLE_DEVICES lists {len(devices)}")
+    return devices[rank]

@@ -12,25 +12,25 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import replace
+from msgspec.structs import replace
 from typing import Any
 
 from aiohttp import web
 
-from ipc import SamplingParamsMsg
+from ipc.messages import INT64_MAX, INT64_MIN, Finished
 
-from .protocol import GenerationRequest, ProtocolError, parse_chat, parse_completion
+from .protocol import GenerationRequest, ProtocolError, checked, parse_chat, parse_completion
 from .state import AppState, STATE
 from .stream import ChoiceStream
 
 logger = logging.getLogger(__name__)
 
 
-def _to_msg(p, session: str | None) -> SamplingParamsMsg:
-    return SamplingParamsMsg(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k or -1,
-                             min_p=p.min_p, presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-                             seed=p.seed, stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
-                             logprobs=p.logprobs, session_id=session)
+def choice_seed(seed: int, choice: int) -> int:
+    """Choice i of a seeded request with n > 1 samples with seed + i, wrapped into int64 (so a
+    seed near the top of the range is still a valid, reproducible seed for every choice)."""
+    span = INT64_MAX - INT64_MIN + 1
+    return (seed + choice - INT64_MIN) % span + INT64_MIN
 
 
 async def read_json(request: web.Request) -> Any:
@@ -76,7 +76,7 @@ def _fit_context(state: AppState, req: GenerationRequest, prompts: list[list[int
                 f"{len(ids) + req.params.max_tokens} tokens ({len(ids)} in the prompt plus {req.params.max_tokens} "
                 f"for the completion)", param, "context_length_exceeded")
     if not req.max_tokens_given:  # default: the rest of the context
-        req.params = replace(req.params, max_tokens=limit - max(map(len, prompts)))
+        req.params = checked(replace(req.params, max_tokens=limit - max(map(len, prompts))))
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -125,7 +125,7 @@ class _Run:
             ids = self.prompts[i // self.req.n]
             params = self.req.params
             if params.seed is not None and self.req.n > 1:
-                params = replace(params, seed=params.seed + i % self.req.n)  # distinct, reproducible choices
+                params = replace(params, seed=choice_seed(params.seed, i % self.req.n))  # distinct, reproducible
             self.tasks.append(asyncio.ensure_future(self._pump(choice, ids, params)))
 
     async def _pump(self, choice: ChoiceStream, ids: list[int], params) -> None:
@@ -144,26 +144,26 @@ class _Run:
             timer.finish(choice.state.finish_reason or "abort", len(ids), len(choice.state.token_ids))
 
     async def _consume(self, choice: ChoiceStream, ids: list[int], params, timer) -> None:
-        async for item in self.state.client.generate(ids, _to_msg(params, self.req.user)):
-            if item.token_ids:
-                if choice.state.token_ids:
-                    timer.tokens(len(item.token_ids))
-                else:
-                    timer.first_token(n=len(item.token_ids))
-                text = choice.push(item.token_ids, item.logprobs, item.top_logprobs)
-                await self.events.put((choice, text, len(item.token_ids)))
-                if choice.stopped:  # a stop string ended it (finish_reason is set); the finally aborts
-                    return
-            if item.finish_reason is not None:
+        async for item in self.state.client.generate(ids, params, session=self.req.user):
+            if isinstance(item, Finished):
+                timer.scheduled(timer.arrival + item.queued_s)  # the worker measured the queue
                 if item.error and item.error_code >= 400 and not choice.state.token_ids:
                     await self.events.put((choice, ProtocolError(item.error, None, "engine_error",
                                                                  status=item.error_code,
                                                                  err_type="server_error" if item.error_code >= 500
                                                                  else "invalid_request_error"), 0))
                     return
-                choice.state.completion_tokens = item.completion_tokens
-                await self.events.put((choice, choice.finish(item.finish_reason), 0))
+                await self.events.put((choice, choice.feed(item), 0))
                 return
+            if item.token_ids:
+                if choice.state.token_ids:
+                    timer.tokens(len(item.token_ids))
+                else:
+                    timer.first_token(n=len(item.token_ids))
+                text = choice.feed(item)
+                await self.events.put((choice, text, len(item.token_ids)))
+                if choice.stopped:  # a stop string ended it (finish_reason is set); the finally aborts
+                    return
 
     async def _events(self):
         """Yield (choice, text or error, new tokens) until every choice finished."""

@@ -1,28 +1,39 @@
 """The offline Python API in the style of vLLM's `LLM`: prompts in, completions out, through the
-same asyncio worker that serves online traffic (run in-process here).
+same engine client and worker processes that serve online traffic.
 
     from server.llm import LLM, SamplingParams
-    llm = LLM("path/to/model", max_num_seqs=32)
-    outputs = llm.generate(["Hello"], SamplingParams(max_tokens=16))
+    with LLM("path/to/model", max_num_seqs=32) as llm:
+        outputs = llm.generate(["Hello"], SamplingParams(max_tokens=16))
+
+The client's event loop runs on a background thread for the LLM's lifetime (its listeners keep
+draining the workers' output rings between calls); `close()` (or leaving the `with` block, or
+interpreter exit) stops the workers and removes their rings.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
+import logging
+import threading
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.engine import Engine, EngineConfig, TokenDelta, default_dtype
-from engine.sampling import SamplingParams
-from engine.weights import load_model
-from engine.worker import Worker, new_event_loop
+from engine.config import EngineConfig
+from ipc.codec import InvalidField, check
+from ipc.loop import new_event_loop
+from ipc.messages import SamplingParams
+
+from .engine_client import EngineClient
+from .stream import ChoiceState, collect
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput"]
 
 
 @dataclass
 class RequestOutput:
-    request_id: str
+    request_index: int
     prompt_token_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
     text: str | None = None
@@ -33,19 +44,47 @@ class RequestOutput:
 
 
 class LLM:
-    def __init__(self, model: str | Path | None = None, device: str = "cpu", **engine_args):
+    def __init__(self, model: str | Path | None = None, dp: int = 1, device: str = "cpu",
+                 threads_per_worker: int | None = None, **engine_args):
         from server.builtin import builtin_model_dir
         from server.tokenizer import Tokenizer
 
-        model_dir = Path(model) if model is not None else builtin_model_dir()
-        config = EngineConfig(**engine_args)
-        self.model = load_model(model_dir, dtype=default_dtype(config, device), device=device,
-                                progress=False, load_mtp=bool(config.resolved().speculative_tokens))
-        self.engine = Engine(self.model, config)
-        self.tokenizer = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").exists() else None
-        self._next_id = 0
+        self.model_dir = Path(model) if model is not None else builtin_model_dir()
+        from engine.config import ModelConfig
 
-    def _encode(self, prompt: str | list[int]) -> list[int]:
+        self.model_config = ModelConfig.from_model_dir(self.model_dir)
+        self.config = EngineConfig(**engine_args).resolved()
+        has_tokenizer = (self.model_dir / "tokenizer.json").exists()
+        self.tokenizer = Tokenizer.from_dir(self.model_dir) if has_tokenizer else None
+        self.client = EngineClient(self.model_dir, self.config, dp=dp, device=device,
+                                   threads_per_worker=threads_per_worker)
+        self._loop = new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="ringserve-llm", daemon=True)
+        self._thread.start()
+        self._closed = False
+        self._finalizer = weakref.finalize(self, LLM._shutdown, self.client, self._loop, self._thread)
+        atexit.register(self._finalizer)
+        try:
+            self._call(self.client.start())
+        except BaseException:
+            self._closed = True
+            self._finalizer()  # workers that did start are stopped, their rings unlinked
+            raise
+
+    @property
+    def max_model_len(self) -> int:
+        return self.client.max_model_len
+
+    def _call(self, coro):
+        """Run `coro` on the client's loop and wait; an interrupt (Ctrl-C) cancels it there."""
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()
+            raise
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer; pass token ids")
@@ -54,53 +93,72 @@ class LLM:
 
     def generate(self, prompts: list[str | list[int]], sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  ) -> list[RequestOutput]:
-        """Run every prompt concurrently through the engine; outputs in input order."""
+        """Run every prompt concurrently; outputs in input order. Invalid input raises ValueError
+        naming the prompt and the field, before anything is sent to a worker."""
+        if self._closed:
+            raise RuntimeError("this LLM is closed")
         params = sampling_params or SamplingParams()
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError("one SamplingParams per prompt")
-        outputs = []
-        for prompt, p in zip(prompts, params_list):
-            out = RequestOutput(f"offline-{self._next_id}", self._encode(prompt))
-            out.logprobs = [] if p.logprobs is not None else None
-            out.top_logprobs = [] if p.logprobs is not None else None
-            outputs.append(out)
-            self._next_id += 1
-        loop = new_event_loop()
-        try:
-            loop.run_until_complete(self._run(outputs, params_list))
-        finally:
-            loop.close()
-        if self.tokenizer is not None:
-            for out in outputs:
-                out.text = self.tokenizer.decode(out.token_ids)
-        return outputs
+        ids = [self.encode(p) for p in prompts]
+        for i, (prompt, p) in enumerate(zip(ids, params_list)):
+            self.validate(prompt, p, i)
+        states = self._call(self._run(ids, params_list)) if ids else []
+        return [self._output(i, prompt, st, p) for i, (prompt, st, p) in enumerate(zip(ids, states, params_list))]
 
-    async def _run(self, outputs: list[RequestOutput], params: list[SamplingParams]) -> None:
-        if not outputs:
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams, index: int = 0) -> None:
+        validate_request(self.model_config.vocab_size, self.max_model_len, prompt_token_ids, params, index)
+
+    async def _run(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[ChoiceState]:
+        return await asyncio.gather(*(collect(self.client, ids, p, self.tokenizer, i)
+                                      for i, (ids, p) in enumerate(zip(prompts, params))))
+
+    def _output(self, index: int, prompt: list[int], st: ChoiceState, params: SamplingParams) -> RequestOutput:
+        with_lp = params.logprobs is not None
+        return RequestOutput(index, prompt, st.token_ids, st.text if self.tokenizer is not None else None,
+                             st.finish_reason, st.error, st.logprobs if with_lp else None,
+                             st.top_logprobs if with_lp else None)
+
+    # ---- lifetime ----------------------------------------------------------------------------
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._finalizer()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @staticmethod
+    def _shutdown(client: EngineClient, loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
+        if loop.is_closed():
             return
-        by_id = {o.request_id: o for o in outputs}
-        remaining = set(by_id)
-        done = asyncio.Event()
-
-        def emit(delta: TokenDelta) -> None:
-            out = by_id[delta.request_id]
-            out.token_ids.extend(delta.token_ids)
-            if delta.logprobs is not None:
-                out.logprobs.extend(delta.logprobs)
-                out.top_logprobs.extend(delta.top_logprobs or [])
-            if delta.finish_reason is not None:
-                out.finish_reason, out.error = delta.finish_reason, delta.error
-                remaining.discard(delta.request_id)
-                if not remaining:
-                    done.set()
-                    worker.stop()
-
-        worker = Worker(self.engine, emit)
         try:
-            for out, p in zip(outputs, params):
-                worker.submit(out.request_id, out.prompt_token_ids, p)
-            await worker.run()
-        finally:
-            worker.close()
-        await done.wait()
+            asyncio.run_coroutine_threadsafe(client.shutdown(timeout_s=5.0), loop).result(timeout=30)
+        except Exception:  # noqa: BLE001 - best effort at exit; the workers are daemons either way
+            logging.getLogger(__name__).warning("LLM shutdown did not complete cleanly")
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=5)
+        loop.close()
+
+
+def validate_request(vocab_size: int, max_model_len: int, prompt_token_ids: list[int], params: SamplingParams,
+                     index: int = 0) -> None:
+    """The edge checks of one offline request (ValueError naming the prompt and the field):
+    sampling parameters against their wire types, token ids against the vocabulary, prompt plus
+    max_tokens against the context."""
+    try:
+        check(params)
+    except InvalidField as exc:
+        raise ValueError(f"prompt {index}: {exc.field}: {exc.reason}") from None
+    if not prompt_token_ids:
+        raise ValueError(f"prompt {index} is empty")
+    bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"prompt {index}: token id {bad} is outside the vocabulary [0, {vocab_size})")
+    if len(prompt_token_ids) + params.max_tokens > max_model_len:
+        raise ValueError(f"prompt {index}: {len(prompt_token_ids)} prompt tokens plus max_tokens "
+                         f"{params.max_tokens} exceed the model's context length ({max_model_len} tokens)")

@@ -10,7 +10,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.sampling import SamplingError, SamplingParams
+from ipc.codec import InvalidField, check
+from ipc.messages import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -135,22 +136,30 @@ def _common(body: dict, limits: Limits, max_tokens_field: str, logprobs: int | N
         raise ProtocolError(f"'stop_token_ids' must be at most {limits.max_stop_token_ids} integers",
                             "stop_token_ids", "invalid_value")
     top_k = _int(body, "top_k", 0, -1)
+    params = SamplingParams(
+        max_tokens=max_tokens or 1,  # the handler fills the real default from the context
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0) or 1e-9,
+        top_k=max(top_k, 0),
+        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        seed=_int(body, "seed", None, -(2**63), 2**63 - 1),
+        logprobs=logprobs,
+        stop_token_ids=tuple(stop_ids),
+        ignore_eos=bool(_get(body, "ignore_eos", (bool,), False)),
+    )
+    return checked(params, {"max_tokens": max_tokens_field, "logprobs": "top_logprobs"
+                            if max_tokens_field == "max_completion_tokens" else "logprobs"})
+
+
+def checked(params: SamplingParams, api_names: dict[str, str] | None = None) -> SamplingParams:
+    """The wire type's own limits (ipc.messages) on what the API accepted: 400 naming the field."""
     try:
-        return SamplingParams(
-            max_tokens=max_tokens or 1,  # the handler fills the real default from the context
-            temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-            top_p=_number(body, "top_p", 1.0, 0.0, 1.0) or 1e-9,
-            top_k=max(top_k, 0),
-            min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
-            presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
-            frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
-            seed=_int(body, "seed", None, -(2**63), 2**63 - 1),
-            logprobs=logprobs,
-            stop_token_ids=tuple(stop_ids),
-            ignore_eos=bool(_get(body, "ignore_eos", (bool,), False)),
-        )
-    except SamplingError as exc:  # defensive: the checks above mirror SamplingParams's rules
-        raise ProtocolError(str(exc), str(exc).split()[0], "invalid_value") from None
+        return check(params)
+    except InvalidField as exc:
+        name = (api_names or {}).get(exc.field, exc.field)
+        raise ProtocolError(f"'{name}' is out of range: {exc.reason}", name or None, "invalid_value") from None
 
 
 def _model(body: dict, served: list[str]) -> str:

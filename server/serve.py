@@ -47,7 +47,7 @@ def add_serve_parser(sub: argparse._SubParsersAction, add_engine_args) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from engine.worker import new_event_loop
+    from ipc.loop import new_event_loop
 
     loop = new_event_loop()
     asyncio.set_event_loop(loop)

@@ -12,10 +12,23 @@ from .protocol import Limits, ProtocolError
 
 
 class _NullTimer:
-    def tokens(self, n: int) -> None:
+    """The request timer's surface when the server keeps no metrics."""
+
+    arrival = 0.0
+
+    def scheduled(self, now: float | None = None) -> None:
+        pass
+
+    def tokens(self, n: int, now: float | None = None) -> None:
+        pass
+
+    def first_token(self, now: float | None = None, n: int = 1) -> None:
         pass
 
     def finish(self, reason: str, prompt_tokens: int, completion_tokens: int) -> None:
+        pass
+
+    def abort(self, prompt_tokens: int = 0, completion_tokens: int = 0, *, client_disconnected: bool = False) -> None:
         pass
 
 

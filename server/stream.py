@@ -1,6 +1,9 @@
-"""One choice's text stream: incremental detokenization plus stop strings matched across chunks.
+"""One request's output, folded from its stream of `TokenDelta`s and its `Finished`: the only
+place where engine output becomes tokens, logprobs and text (the HTTP handlers, `ringserve
+generate` and the offline `LLM` all fold through `ChoiceStream`).
 
-Text is emitted as soon as it cannot be the start of a stop string: with stop strings, the last
+Text comes from incremental detokenization, with stop strings matched across chunks: text is
+emitted as soon as it cannot be the start of a stop string, so with stop strings the last
 (longest stop − 1) characters are held back until more text arrives or the choice ends. A stop
 string ends the choice; the text before it is the output (the stop string itself is not).
 """
@@ -8,6 +11,8 @@ string ends the choice; the text before it is the output (the stop string itself
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from ipc.messages import Finished, TokenDelta
 
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -21,16 +26,26 @@ class ChoiceState:
     text: str = ""  # text emitted so far
     finish_reason: str | None = None
     completion_tokens: int = 0
+    error: str | None = None  # why the engine failed or refused the request
+    error_code: int = 0
 
 
 class ChoiceStream:
-    def __init__(self, index: int, tokenizer: Tokenizer, stop: list[str]):
+    def __init__(self, index: int, tokenizer: Tokenizer | None, stop: list[str] | None = None):
         self.state = ChoiceState(index)
-        self.detok = IncrementalDetokenizer(tokenizer)
-        self.stop = stop
-        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        self.stop = stop or []
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.pending = ""  # decoded, not yet emitted
         self.stopped = False
+
+    def feed(self, item: TokenDelta | Finished) -> str:
+        """Fold one item of the request's stream; returns the text that can be emitted now."""
+        if isinstance(item, Finished):
+            self.state.completion_tokens = item.completion_tokens
+            self.state.error, self.state.error_code = item.error, item.error_code
+            return self.finish(item.reason)
+        return self.push(item.token_ids, item.logprobs, item.top_logprobs)
 
     def push(self, token_ids: list[int], logprobs: list[float] | None, top: list | None) -> str:
         """Feed new tokens; returns the text that can be emitted now (may be empty)."""
@@ -39,16 +54,17 @@ class ChoiceStream:
         if logprobs is not None:
             st.logprobs.extend(logprobs)
             st.top_logprobs.extend(top or [[] for _ in token_ids])
-        if self.stopped:
+        if self.stopped or self.detok is None:
             return ""
         self.pending += self.detok.push(token_ids)
         return self._release(final=False)
 
     def finish(self, reason: str | None) -> str:
         """The engine finished the choice: flush what is held back (still honouring stops)."""
-        if not self.stopped:
+        text = ""
+        if not self.stopped and self.detok is not None:
             self.pending += self.detok.flush()
-        text = self._release(final=True) if not self.stopped else ""
+            text = self._release(final=True)
         if self.state.finish_reason is None:
             self.state.finish_reason = reason
         return text
@@ -75,3 +91,14 @@ class ChoiceStream:
             if i != -1 and (best is None or i < best):
                 best = i
         return best
+
+
+async def collect(client, prompt_token_ids: list[int], params, tokenizer: Tokenizer | None, index: int = 0,
+                  stop: list[str] | None = None, session: str | None = None) -> ChoiceState:
+    """Run one request to its end through an engine client and return its folded state."""
+    choice = ChoiceStream(index, tokenizer, stop)
+    async for item in client.generate(prompt_token_ids, params, session=session):
+        choice.feed(item)
+        if choice.stopped:  # a stop string ended it; leaving the loop aborts the engine request
+            break
+    return choice.state

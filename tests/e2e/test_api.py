@@ -112,3 +112,28 @@ def test_continuous_usage_counts_tokens_per_chunk(client):
     running = [c.usage.completion_tokens for c in chunks if c.choices]
     assert running == sorted(running) and running[-1] == 7
     assert chunks[-1].usage.completion_tokens == 7
+
+
+def test_the_http_process_never_loads_torch(client, server):
+    """The front process parses, tokenizes and streams; only the workers hold the model. After
+    real traffic, no torch (or numba) library is mapped into it."""
+    client.completions.create(model=client.models.list().data[0].id, prompt="hi", max_tokens=2)
+    with open(f"/proc/{server.proc.pid}/maps") as f:
+        mapped = f.read()
+    assert "libtorch" not in mapped and "numba" not in mapped
+    with open(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children") as f:
+        children = f.read().split()
+    maps = []
+    for pid in children:
+        with open(f"/proc/{pid}/maps") as f:
+            maps.append(f.read())
+    assert any("libtorch" in m for m in maps)  # the check does see torch where it is: in the worker
+
+
+def test_queue_time_is_measured_in_the_worker(client, server):
+    client.completions.create(model=client.models.list().data[0].id, prompt="queue", max_tokens=2)
+    req = urllib.request.Request(server.url + "/metrics", headers={"Authorization": f"Bearer {server.api_key}"})
+    with urllib.request.urlopen(req) as r:
+        text = r.read().decode()
+    count = [line for line in text.splitlines() if line.startswith("ringserve:request_queue_time_seconds_count")]
+    assert count and float(count[0].split()[-1]) >= 1

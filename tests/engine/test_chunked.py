@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import SeqSlice
+from engine.attention import SeqSlice, SequenceContext
 from engine.weights import load_model
 
 # Chunk schedules crossing the window (8) and the compress boundaries (4 and 8) of `tiny`.
@@ -21,10 +21,10 @@ def model(checkpoint_factory):
 def _run(model, ids: torch.Tensor, schedule: list[int]) -> torch.Tensor:
     state, outs, pos = model.new_state(), [], 0
     for n in schedule:
-        streams = model(ids[pos : pos + n], torch.arange(pos, pos + n), [SeqSlice(state, pos, 0, n)])
+        streams = model(ids[pos : pos + n], torch.arange(pos, pos + n), SequenceContext([SeqSlice(state, pos, 0, n)]))
         outs.append(model.logits(streams))
         pos += n
-    assert state.num_tokens == len(ids)
+    assert pos == len(ids)  # the schedule covered every token
     return torch.cat(outs)
 
 
@@ -43,11 +43,12 @@ def test_unpadded_batch_equals_each_sequence_alone(model):
     alone = [_run(model, p, [len(p)]) for p in prompts]
     # Step 1: the first 5 tokens of every prompt (or all of it); step 2: the rest, mixed sizes.
     states = [model.new_state() for _ in prompts]
+    done = [0] * len(prompts)  # positions each state holds
     outs = [[] for _ in prompts]
     for step in range(2):
         tokens, positions, seqs, begin = [], [], [], 0
         for i, p in enumerate(prompts):
-            lo = states[i].num_tokens
+            lo = done[i]
             hi = min(len(p), 5) if step == 0 else len(p)
             if hi == lo:
                 continue
@@ -55,9 +56,11 @@ def test_unpadded_batch_equals_each_sequence_alone(model):
             positions.append(torch.arange(lo, hi))
             seqs.append(SeqSlice(states[i], lo, begin, hi - lo))
             begin += hi - lo
-        logits = model.logits(model(torch.cat(tokens), torch.cat(positions), seqs))
+        logits = model.logits(model(torch.cat(tokens), torch.cat(positions), SequenceContext(seqs)))
         for s in seqs:
-            outs[states.index(s.state)].append(logits[s.begin : s.end])
+            i = states.index(s.state)
+            outs[i].append(logits[s.begin : s.end])
+            done[i] = s.start + s.length
     for i in range(len(prompts)):
         assert (torch.cat(outs[i]) - alone[i]).abs().max().item() <= 1e-5
 
@@ -71,9 +74,9 @@ def test_rewind_discards_speculative_tokens(model):
     full = _run(model, ids, [33])
     state, pos, outs = model.new_state(), 0, []
     for n in [6, 5, 9, 4, 9]:
-        model(torch.cat((ids[pos : pos + n - 1], wrong)), torch.arange(pos, pos + n + 2), [SeqSlice(state, pos, 0, n + 2)])
+        model(torch.cat((ids[pos : pos + n - 1], wrong)), torch.arange(pos, pos + n + 2), SequenceContext([SeqSlice(state, pos, 0, n + 2)]))
         # Keep n−1 tokens, then re-run from there with the true continuation.
-        streams = model(ids[pos + n - 1 : pos + n], torch.arange(pos + n - 1, pos + n), [SeqSlice(state, pos + n - 1, 0, 1)])
+        streams = model(ids[pos + n - 1 : pos + n], torch.arange(pos + n - 1, pos + n), SequenceContext([SeqSlice(state, pos + n - 1, 0, 1)]))
         outs.append(model.logits(streams))
         pos += n
     want = full[[p - 1 for p in (6, 11, 20, 24, 33)]]

@@ -12,11 +12,14 @@ import random
 import pytest
 import torch
 
-from engine.cuda_graphs import DecodeGraphs, DecodeRow, context_buckets
-from engine.engine import Engine, EngineConfig
+from engine.attention import SeqSlice, SequenceContext
+from engine.attention_backend import StepSeq
+from engine.config import EngineConfig
+from engine.cuda_graphs import StaticDecodeBackend, context_buckets
+from engine.engine import Engine
 from engine.kv_cache import KVCache
-from engine.sampling import SamplingParams
 from engine.weights import load_model
+from ipc.messages import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 QUANTIZABLE = dict(head_dim=128, qk_rope_head_dim=64, index_head_dim=64, index_topk=3)
@@ -34,20 +37,20 @@ def _prompts(n: int, seed: int = 0, max_len: int = 50) -> list[list[int]]:
             for i in range(n)]
 
 
-def _run(model, prompts, static: bool, params=GREEDY, seed: int = 3, **kw) -> tuple[dict[str, list[int]], Engine]:
+def _run(model, prompts, static: bool, params=GREEDY, seed: int = 3, **kw) -> tuple[dict[int, list[int]], Engine]:
     """Requests arrive at random steps (so decode batches change size); id → output tokens."""
     args = dict(max_num_seqs=8, max_num_batched_tokens=40, kv_cache_memory_bytes=4 << 20, block_size=16,
                 cuda_graph_sizes=(1, 2, 4), static_decode=static, max_model_len=512)
     args.update(kw)
     engine = Engine(model, EngineConfig(**args))
     rng = random.Random(seed)
-    out: dict[str, list[int]] = {}
+    out: dict[int, list[int]] = {}
     pending = list(enumerate(prompts))
     while pending or engine.has_work:
         while pending and (rng.random() < 0.3 or not engine.has_work):
             i, p = pending.pop(0)
-            engine.add_request(str(i), p, params)
-        for d in engine.step():
+            engine.add_request(i, p, params)
+        for d in engine.step().deltas:
             out.setdefault(d.request_id, []).extend(d.token_ids)
     assert engine.cache.manager.full.num_used == 0 and engine.cache.manager.sliding.num_used == 0
     return out, engine
@@ -60,7 +63,7 @@ def test_static_decode_equals_the_per_sequence_path(model):
     eager, _ = _run(model, prompts, static=False)
     static, engine = _run(model, prompts, static=True)
     assert static == eager
-    assert 10 < engine.graphs.num_runs < engine.stats.steps  # both paths really ran
+    assert 10 < engine.static.num_runs < engine.stats.steps  # both paths really ran
 
 
 def test_static_verify_is_lossless(model):
@@ -70,9 +73,9 @@ def test_static_verify_is_lossless(model):
     spec, engine = _run(model, prompts, static=True, speculative_tokens=3, max_num_seqs=4,
                         adaptive_speculation=False)
     assert spec == plain
-    assert engine.graphs.num_runs > 20
+    assert engine.static.num_runs > 20
     assert engine.stats.spec_drafts > 0
-    assert any(key[0] == "mtp" for key in engine.graphs._shapes)  # draft steps ran static too
+    assert any(key[0] == "mtp" for key in engine.static._shapes)  # draft steps ran static too
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp8", "fp4"])
@@ -81,7 +84,7 @@ def test_static_decode_under_quantized_kv(checkpoint_factory, kv_dtype):
     prompts = _prompts(6, seed=11)
     eager, _ = _run(model, prompts, static=False, kv_dtype=kv_dtype)
     static, engine = _run(model, prompts, static=True, kv_dtype=kv_dtype)
-    assert static == eager and engine.graphs.num_runs > 0
+    assert static == eager and engine.static.num_runs > 0
 
 
 def test_static_decode_with_preemption_and_sampling(model):
@@ -92,7 +95,7 @@ def test_static_decode_with_preemption_and_sampling(model):
     eager, first = _run(model, prompts, static=False, params=params, num_kv_blocks=9)
     static, engine = _run(model, prompts, static=True, params=params, num_kv_blocks=9)
     assert first.stats.num_preemptions > 0 and engine.stats.num_preemptions > 0
-    assert static == eager and engine.graphs.num_runs > 0
+    assert static == eager and engine.static.num_runs > 0
 
 
 @torch.inference_mode()
@@ -100,13 +103,11 @@ def test_padding_rows_touch_only_the_dummy_block(model):
     """Every block no live sequence owns is filled with NaN: a padding row (or a masked read)
     that touched one would make the logits NaN, and a stray write would overwrite the NaN."""
     cache = KVCache.for_model(model, "auto", max_num_seqs=4, num_full_blocks=32, block_size=16)
-    graphs = DecodeGraphs(model, cache, (4,), (1,), 256, capture=False)
+    graphs = StaticDecodeBackend(model, cache, (4,), (1,), 256, capture=False)
     prompt = _prompts(1, seed=5, max_len=40)[0] + [7] * 30  # > window and several compressed entries
     seq = cache.new_sequence()
     assert cache.allocate(seq, 0, len(prompt) + 1)
-    from engine.attention import SeqSlice
-
-    model(torch.tensor(prompt), torch.arange(len(prompt)), [SeqSlice(seq, 0, 0, len(prompt))])
+    model(torch.tensor(prompt), torch.arange(len(prompt)), SequenceContext([SeqSlice(seq, 0, 0, len(prompt))]))
     owned = {"full": set(seq.table.full), "sliding": set(seq.table.sliding)}
     snapshots = {}
     for name, pool in cache.pools.items():
@@ -118,9 +119,12 @@ def test_padding_rows_touch_only_the_dummy_block(model):
     ref_cache = KVCache.for_model(model, "auto", max_num_seqs=4, num_full_blocks=32, block_size=16)
     ref = ref_cache.new_sequence()
     assert ref_cache.allocate(ref, 0, len(prompt) + 1)
-    model(torch.tensor(prompt), torch.arange(len(prompt)), [SeqSlice(ref, 0, 0, len(prompt))])
-    expected = model.logits(model(torch.tensor([9]), torch.tensor([len(prompt)]), [SeqSlice(ref, len(prompt), 0, 1)]))
-    _, logits = graphs.run(graphs.shape_for(1, 1, len(prompt) + 1), [DecodeRow(seq, len(prompt), [9])])
+    model(torch.tensor(prompt), torch.arange(len(prompt)), SequenceContext([SeqSlice(ref, 0, 0, len(prompt))]))
+    expected = model.logits(model(torch.tensor([9]), torch.tensor([len(prompt)]),
+                                  SequenceContext([SeqSlice(ref, len(prompt), 0, 1)])))
+    step = graphs.prepare([StepSeq(seq, len(prompt), [9])])
+    assert step.shape.batch.num_seqs == 4  # one live row, three padding rows
+    _, logits = step.run(model, [0])
     assert torch.isfinite(logits).all()
     assert (logits - expected).abs().max().item() < 1e-4
     for (name, layer), (free, before) in snapshots.items():
@@ -130,7 +134,7 @@ def test_padding_rows_touch_only_the_dummy_block(model):
 
 def test_shape_choice(model):
     cache = KVCache.for_model(model, "auto", max_num_seqs=8, num_full_blocks=32, block_size=16)
-    graphs = DecodeGraphs(model, cache, (8, 1, 2, 4), (1, 4), 1000, capture=False)
+    graphs = StaticDecodeBackend(model, cache, (8, 1, 2, 4), (1, 4), 1000, capture=False)
     assert graphs.buckets == [64, 256, 1008]
     assert graphs.shape_for(3, 1, 10) == ("model", 4, 1, 64)  # smallest size and context that hold the batch
     assert graphs.shape_for(1, 4, 65) == ("model", 1, 4, 256)
@@ -139,8 +143,8 @@ def test_shape_choice(model):
     assert graphs.shape_for(2, 2, 10) is None  # q not captured: eager
     assert graphs.shape_for(2, 1, 1009) is None
     assert graphs.mtp_shape_for(3) is None  # draft steps not enabled
-    drafting = DecodeGraphs(model, cache, (1, 2, 4), (1, 4), 1000, capture=False, draft_steps=True)
+    drafting = StaticDecodeBackend(model, cache, (1, 2, 4), (1, 4), 1000, capture=False, draft_steps=True)
     assert drafting.mtp_shape_for(3) == ("mtp", 4, 1, 64) and drafting.mtp_shape_for(5) is None
     assert context_buckets(256, 32768) == [1024, 4096, 16384, 32768]
     with pytest.raises(ValueError, match="cuda-graph-sizes"):
-        DecodeGraphs(model, cache, (0,), (1,), 1000, capture=False)
+        StaticDecodeBackend(model, cache, (0,), (1,), 1000, capture=False)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.generate import generate
 from engine.kv_cache import KVCache
-from engine.sampling import SamplingParams
 from engine.weights import load_model
+from ipc.messages import SamplingParams
+from reference_driver import generate
 
 PARAMS = SamplingParams(max_tokens=20, ignore_eos=True)
 LENGTHS = (41, 3, 17, 9, 26)
@@ -75,9 +75,9 @@ def test_quantized_pools_track_bf16(checkpoint_factory, kv_dtype):
     seq = cache.new_sequence()
     ids = torch.tensor(prompt + path.token_ids)
     assert cache.allocate(seq, 0, len(ids))
-    from engine.attention import SeqSlice
+    from engine.attention import SeqSlice, SequenceContext
 
-    logits = model.logits(model(ids, torch.arange(len(ids)), [SeqSlice(seq, 0, 0, len(ids))]))
+    logits = model.logits(model(ids, torch.arange(len(ids)), SequenceContext([SeqSlice(seq, 0, 0, len(ids))])))
     steps = logits[len(prompt) - 1 : -1]
     agree = (steps.argmax(-1) == torch.tensor(path.token_ids)).float().mean().item()
     delta = (torch.log_softmax(steps, -1).gather(1, torch.tensor(path.token_ids)[:, None]).squeeze(1)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import SeqSlice
+from engine.attention import SeqSlice, SequenceContext
 from engine.weight_names import export_names
 from engine.weights import load_model
 
@@ -73,14 +73,14 @@ def test_mtp_matches_restated_spec(checkpoint_factory):
     ids = torch.randint(2, ours.cfg.vocab_size, (30,), generator=torch.Generator().manual_seed(4))
     expected = _reference_mtp(path, ours, ids)
 
-    state, mtp_state = ours.new_state(), ours.mtp[0].new_state(ours)
+    state = ours.new_state()  # the model's layers and the MTP layer's window
     got, pos = [], 0
     for n in [11, 1, 7, 10]:  # main model and MTP advance together, chunk by chunk
         rows = torch.arange(pos, pos + n)
-        streams = ours(ids[rows], rows, [SeqSlice(state, pos, 0, n)])
+        streams = ours(ids[rows], rows, SequenceContext([SeqSlice(state, pos, 0, n)]))
         keep = rows < len(ids) - 1  # the last position has no next token
         m = int(keep.sum())
-        out = ours.mtp[0](ours, streams[:m], ids[rows[:m] + 1], rows[:m], [SeqSlice(mtp_state, pos, 0, m)])
+        out = ours.mtp[0](ours, streams[:m], ids[rows[:m] + 1], rows[:m], SequenceContext([SeqSlice(state, pos, 0, m)]))
         got.append(ours.mtp[0].logits(ours, out))
         pos += n
     assert (torch.cat(got) - expected).abs().max().item() <= 1e-4

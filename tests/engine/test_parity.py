@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import SeqSlice
-from engine.generate import generate
-from engine.sampling import SamplingParams
+import engine.attention
+from engine.attention import SeqSlice, SequenceContext
 from engine.weights import load_model
+from ipc.messages import SamplingParams
+from reference_driver import generate
 
 transformers = pytest.importorskip("transformers")
 
@@ -50,7 +51,7 @@ def test_logits_match_transformers(checkpoint_factory, name):
     ids = _prompt(ours.cfg.vocab_size)
     with torch.no_grad():
         expected = ref(ids[None]).logits[0]
-        got = ours.logits(ours(ids, torch.arange(len(ids)), [SeqSlice(ours.new_state(), 0, 0, len(ids))]))
+        got = ours.logits(ours(ids, torch.arange(len(ids)), SequenceContext([SeqSlice(ours.new_state(), 0, 0, len(ids))])))
     assert (got - expected).abs().max().item() <= 1e-4
 
 
@@ -64,7 +65,7 @@ def test_greedy_tokens_match_transformers(checkpoint_factory, name):
     assert got == expected[0, len(ids):].tolist()
 
 
-def test_small_topk_selects_the_reference_sets(checkpoint_factory):
+def test_small_topk_selects_the_reference_sets(checkpoint_factory, monkeypatch):
     """With index_topk below the entry count, each query's selected entries equal the
     reference's, up to exchanging entries whose scores tie at the k-th value."""
     path = checkpoint_factory("tiny-topk2", index_topk=2)
@@ -74,22 +75,18 @@ def test_small_topk_selects_the_reference_sets(checkpoint_factory):
     ref_sets, our_sets = [], []
     hooks = [m.register_forward_hook(lambda mod, args, out: ref_sets.append(out[0]))
              for m in ref.modules() if type(m).__name__ == "DeepseekV4Indexer"]
-    originals = {}
-    for layer in ours.layers:
-        idx = layer.attn.indexer
-        if idx is None:
-            continue
+    select = engine.attention.top_k_entries
 
-        def recording(q, w, keys, visible, _idx=idx):
-            mask = type(_idx).select(_idx, q, w, keys, visible)
-            our_sets.append((mask, _idx.scores(q, w, keys).masked_fill(~visible, float("-inf"))))
-            return mask
+    def recording(scores, visible, k):  # the per-sequence path's top-k, one call per CSA layer
+        picked, valid = select(scores, visible, k)
+        mask = torch.zeros_like(visible).scatter_(-1, picked, valid)
+        our_sets.append((mask, scores.masked_fill(~visible, float("-inf"))))
+        return picked, valid
 
-        originals[idx] = idx.select
-        idx.select = recording
+    monkeypatch.setattr(engine.attention, "top_k_entries", recording)
     with torch.no_grad():
         ref(ids[None])
-        ours(ids, torch.arange(len(ids)), [SeqSlice(ours.new_state(), 0, 0, len(ids))])
+        ours(ids, torch.arange(len(ids)), SequenceContext([SeqSlice(ours.new_state(), 0, 0, len(ids))]))
     for h in hooks:
         h.remove()
     assert len(ref_sets) == len(our_sets) > 0

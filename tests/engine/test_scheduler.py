@@ -7,11 +7,13 @@ import random
 import pytest
 import torch
 
-from engine.engine import Engine, EngineConfig
-from engine.generate import generate
+from engine.config import EngineConfig
+from engine.engine import Engine
 from engine.request import RequestError
-from engine.sampling import SamplingError, SamplingParams
 from engine.weights import load_model
+from ipc.codec import InvalidField, check
+from ipc.messages import SamplingParams
+from reference_driver import generate
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 
@@ -33,16 +35,16 @@ def _engine(model, **kw) -> Engine:
     return Engine(model, EngineConfig(**args))
 
 
-def _run(engine: Engine, prompts, params=GREEDY, seed: int = 1, on_step=None) -> dict[str, list[int]]:
+def _run(engine: Engine, prompts, params=GREEDY, seed: int = 1, on_step=None) -> dict[int, list[int]]:
     """Requests arrive at random steps; returns request id → output tokens."""
     rng = random.Random(seed)
-    out: dict[str, list[int]] = {}
+    out: dict[int, list[int]] = {}
     pending = list(enumerate(prompts))
     while pending or engine.has_work:
         while pending and (rng.random() < 0.4 or not engine.has_work):
             i, p = pending.pop(0)
-            engine.add_request(str(i), p, params if isinstance(params, SamplingParams) else params[i])
-        for d in engine.step():
+            engine.add_request(i, p, params if isinstance(params, SamplingParams) else params[i])
+        for d in engine.step().deltas:
             out.setdefault(d.request_id, []).extend(d.token_ids)
         if on_step:
             on_step(engine)
@@ -63,7 +65,7 @@ def test_requests_arriving_at_random_steps_equal_each_alone(model):
     prompts = _prompts(64)
     engine = _engine(model)
     out = _run(engine, prompts)
-    assert [out[str(i)] for i in range(64)] == _alone(model, prompts)
+    assert [out[i] for i in range(64)] == _alone(model, prompts)
     _assert_clean(engine)
 
 
@@ -72,7 +74,7 @@ def test_preemption_under_a_small_pool_keeps_outputs(model):
     engine = _engine(model, num_kv_blocks=7)
     out = _run(engine, prompts)
     assert engine.stats.num_preemptions > 0
-    assert [out[str(i)] for i in range(16)] == _alone(model, prompts)
+    assert [out[i] for i in range(16)] == _alone(model, prompts)
     _assert_clean(engine)
 
 
@@ -80,12 +82,12 @@ def test_speculation_is_lossless_under_greedy(model):
     prompts = _prompts(12, seed=3)
     engine = _engine(model, speculative_tokens=3, adaptive_speculation=False)  # verify all 3 every step
     out = _run(engine, prompts)
-    assert [out[str(i)] for i in range(12)] == _alone(model, prompts)
+    assert [out[i] for i in range(12)] == _alone(model, prompts)
     assert engine.stats.spec_draft_tokens > 0
     _assert_clean(engine)
 
 
-def _forced_drafts(kind: str, truth: dict[str, list[int]]):
+def _forced_drafts(kind: str, truth: dict[int, list[int]]):
     """A draft override: every draft wrong, or the true continuation (as many as proposed)."""
     def override(req, accepted_now, proposed):
         if kind == "wrong":
@@ -99,7 +101,7 @@ def _forced_drafts(kind: str, truth: dict[str, list[int]]):
 @pytest.mark.parametrize("drafts", ["wrong", "right"])
 def test_forced_drafts_give_the_same_output(model, drafts):
     prompts = _prompts(6, seed=4)
-    truth = {str(i): t for i, t in enumerate(_alone(model, prompts))}
+    truth = {i: t for i, t in enumerate(_alone(model, prompts))}
     engine = _engine(model, speculative_tokens=3, adaptive_speculation=False)
     engine.runner.draft_override = _forced_drafts(drafts, truth)
     out = _run(engine, prompts)
@@ -118,7 +120,7 @@ def test_adaptive_speculation_follows_acceptance(model, drafts):
     all 3 drafts verified. Output is the greedy output either way."""
     prompts = _prompts(4, seed=6, max_len=20)
     params = SamplingParams(max_tokens=64, ignore_eos=True)
-    truth = {str(i): t for i, t in enumerate(_alone(model, prompts, params))}
+    truth = {i: t for i, t in enumerate(_alone(model, prompts, params))}
     engine = _engine(model, speculative_tokens=3)
     engine.runner.draft_override = _forced_drafts(drafts, truth)
     # Step times as a GPU would show them (verification nearly free, drafts cost a little), so
@@ -140,11 +142,11 @@ def test_abort_in_every_state_frees_everything(model):
     engine = _engine(model, speculative_tokens=3, max_num_seqs=2, max_num_batched_tokens=16)
     prompts = _prompts(5, seed=5, max_len=40)
     for i, p in enumerate(prompts):
-        engine.add_request(str(i), p + [7] * 30, GREEDY)
+        engine.add_request(i, p + [7] * 30, GREEDY)
     engine.step()  # request 0 prefilling (chunked), 1 waiting for budget, others waiting for a slot
     states = {rid: (r.status.value, r.num_computed_tokens) for rid, r in engine.scheduler.requests.items()}
-    assert engine.abort("3") is not None  # waiting
-    assert engine.abort("0") is not None  # mid-prefill
+    assert engine.abort(3) is not None  # waiting
+    assert engine.abort(0) is not None  # mid-prefill
     while not any(r.draft_token_ids for r in engine.scheduler.running):
         engine.step()
     verifying = next(r for r in engine.scheduler.running if r.draft_token_ids)
@@ -153,16 +155,16 @@ def test_abort_in_every_state_frees_everything(model):
         engine.abort(rid)
     assert states
     _assert_clean(engine)
-    assert engine.abort("nope") is None
+    assert engine.abort(12345) is None
 
 
 def test_same_seed_same_tokens_whatever_the_batch(model):
     sampled = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, top_k=40, seed=123, ignore_eos=True)
     prompt = _prompts(1, seed=6)[0]
-    alone = _run(_engine(model), [prompt], sampled)["0"]
+    alone = _run(_engine(model), [prompt], sampled)[0]
     others = _prompts(7, seed=7)
     params = [sampled] + [SamplingParams(max_tokens=10, temperature=1.0, ignore_eos=True)] * 7
-    crowded = _run(_engine(model), [prompt] + others, params, seed=9)["0"]
+    crowded = _run(_engine(model), [prompt] + others, params, seed=9)[0]
     assert alone == crowded
 
 
@@ -170,16 +172,17 @@ def test_bad_sampling_parameters_are_refused():
     for kwargs, name in [({"temperature": -1.0}, "temperature"), ({"top_p": 1.5}, "top_p"), ({"top_k": -2}, "top_k"),
                          ({"min_p": 2.0}, "min_p"), ({"max_tokens": 0}, "max_tokens"),
                          ({"presence_penalty": 3.0}, "presence_penalty"), ({"logprobs": 50}, "logprobs")]:
-        with pytest.raises(SamplingError, match=name):
-            SamplingParams(**kwargs)
+        with pytest.raises(InvalidField, match=name) as refused:
+            check(SamplingParams(**kwargs))
+        assert refused.value.field == name
 
 
 def test_context_overflow_is_refused_up_front(model):
     engine = _engine(model, max_model_len=64)
     with pytest.raises(RequestError, match=r"60 tokens.*max_tokens \(10\).*64 tokens"):
-        engine.add_request("x", [3] * 60, SamplingParams(max_tokens=10))
+        engine.add_request(1, [3] * 60, SamplingParams(max_tokens=10))
     with pytest.raises(RequestError, match="vocabulary"):
-        engine.add_request("y", [3, 10**6], GREEDY)
+        engine.add_request(2, [3, 10**6], GREEDY)
     assert not engine.has_work
 
 
@@ -190,18 +193,17 @@ def test_non_finite_logits_fail_only_that_request(model):
 
     def poisoned(pending, logits):
         for p in pending:
-            if p.sched.request.request_id == "1":
+            if p.sched.request.request_id == 1:
                 logits[p.logit_rows] = float("nan")
         return original(pending, logits)
 
     engine.runner._sample = poisoned
     finals = {}
     for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, GREEDY)
+        engine.add_request(i, p, GREEDY)
     while engine.has_work:
-        for d in engine.step():
-            if d.finish_reason:
-                finals[d.request_id] = (d.finish_reason, d.error)
-    assert finals["1"] == ("error", "non-finite logits")
-    assert finals["0"][0] == finals["2"][0] == "length"
+        for d in engine.step().finished:
+            finals[d.request_id] = (d.reason, d.error)
+    assert finals[1] == ("error", "non-finite logits")
+    assert finals[0][0] == finals[2][0] == "length"
     _assert_clean(engine)

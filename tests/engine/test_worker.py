@@ -9,10 +9,12 @@ import time
 import pytest
 import torch
 
-from engine.engine import Engine, EngineConfig
-from engine.sampling import SamplingParams
+from engine.config import EngineConfig
+from engine.engine import Engine
 from engine.weights import load_model
-from engine.worker import Worker, new_event_loop
+from engine.worker import Worker
+from ipc.loop import new_event_loop
+from ipc.messages import Finished, SamplingParams, TokenDelta
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +26,8 @@ def engine(checkpoint_factory):
 
 def _serve(engine, scenario):
     """Run the worker loop and `scenario(worker, deltas)` on one uvloop; returns the deltas."""
-    deltas = []
-    worker = Worker(engine, deltas.append)
+    deltas = []  # every TokenDelta and Finished, in emission order
+    worker = Worker(engine, lambda out: deltas.extend(out.deltas + out.finished))
 
     async def main():
         task = asyncio.ensure_future(worker.run())
@@ -44,6 +46,10 @@ def _serve(engine, scenario):
     return deltas, worker
 
 
+def _tokens(item) -> list[int]:
+    return item.token_ids if isinstance(item, TokenDelta) else []
+
+
 async def _until(predicate, timeout=30.0):
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -53,21 +59,21 @@ async def _until(predicate, timeout=30.0):
 
 def test_submit_stream_and_abort(engine):
     async def scenario(worker, deltas):
-        worker.submit("a", [5, 6, 7], SamplingParams(max_tokens=5, ignore_eos=True))
-        worker.submit("b", [9] * 20, SamplingParams(max_tokens=500, ignore_eos=True))
-        worker.submit("c", [1] * 20, SamplingParams(max_tokens=10**6))  # over the context: refused
-        await _until(lambda: any(d.request_id == "b" and d.token_ids for d in deltas))
-        worker.abort("b")
-        await _until(lambda: any(d.request_id == "b" and d.finish_reason for d in deltas))
-        await _until(lambda: any(d.request_id == "a" and d.finish_reason for d in deltas))
+        worker.submit(1, [5, 6, 7], SamplingParams(max_tokens=5, ignore_eos=True))
+        worker.submit(2, [9] * 20, SamplingParams(max_tokens=500, ignore_eos=True))
+        worker.submit(3, [1] * 20, SamplingParams(max_tokens=10**6))  # over the context: refused
+        await _until(lambda: any(d.request_id == 2 and _tokens(d) for d in deltas))
+        worker.abort([2])
+        await _until(lambda: any(d.request_id == 2 and isinstance(d, Finished) for d in deltas))
+        await _until(lambda: any(d.request_id == 1 and isinstance(d, Finished) for d in deltas))
 
     deltas, _ = _serve(engine, scenario)
     by = {}
     for d in deltas:
         by.setdefault(d.request_id, []).append(d)
-    assert sum(len(d.token_ids) for d in by["a"]) == 5 and by["a"][-1].finish_reason == "length"
-    assert by["b"][-1].finish_reason == "abort"
-    assert by["c"][-1].finish_reason == "error" and "context length" in by["c"][-1].error
+    assert sum(len(_tokens(d)) for d in by[1]) == 5 and by[1][-1].reason == "length"
+    assert by[2][-1].reason == "abort"
+    assert by[3][-1].reason == "error" and "context length" in by[3][-1].error and by[3][-1].error_code == 400
     assert engine.cache.manager.full.num_used == 0 and engine.cache.manager.sliding.num_used == 0
 
 

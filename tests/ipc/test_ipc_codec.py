@@ -1,57 +1,60 @@
-"""Codec: round trips of every message type (hypothesis), and clear errors on bad input."""
+"""Codec: round trips of every message type (hypothesis), clean errors on hostile bytes, and the
+one validation of values entering at an edge (`check`)."""
 from __future__ import annotations
 
-import struct
-
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ipc import codec
+from ipc.codec import InvalidField, check
 from ipc.errors import DecodeError, EncodeError, MessageTooLarge
 from ipc.messages import (
+    FINISH_REASONS,
     MESSAGE_TYPES,
     Abort,
-    Error,
     Finished,
     Heartbeat,
-    SamplingParamsMsg,
+    SamplingParams,
     Shutdown,
+    StepOutputs,
     Submit,
     TokenDelta,
     WorkerReady,
 )
 from ipc.ring import RingConfig, RingReader, RingWriter
 
+count = st.integers(0, 2**63 - 1)
 i64 = st.integers(-(2**63), 2**63 - 1)
-i32 = st.integers(-(2**31), 2**31 - 1)
+token = st.integers(0, 2**31 - 1)
 f64 = st.floats(allow_nan=False)
-text = st.text(max_size=40)
-tokens = st.lists(i32, max_size=50)
+seconds = st.floats(min_value=0.0, allow_nan=False)
+text = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=40)  # no lone surrogates
+tokens = st.lists(token, max_size=50)
 
 params = st.builds(
-    SamplingParamsMsg, max_tokens=i64, temperature=f64, top_p=f64, top_k=i64, min_p=f64,
-    presence_penalty=f64, frequency_penalty=f64, seed=st.none() | i64, stop_token_ids=tokens,
-    ignore_eos=st.booleans(), logprobs=st.none() | i64, session_id=st.none() | text,
+    SamplingParams, max_tokens=st.integers(1, 2**31 - 1), temperature=st.floats(0.0, 1e4),
+    top_p=st.floats(0.0, 1.0, exclude_min=True), top_k=st.integers(0, 2**31 - 1), min_p=st.floats(0.0, 1.0),
+    presence_penalty=st.floats(-2.0, 2.0), frequency_penalty=st.floats(-2.0, 2.0), seed=st.none() | i64,
+    logprobs=st.none() | st.integers(0, 20), stop_token_ids=st.lists(token, max_size=64).map(tuple),
+    ignore_eos=st.booleans(),
 )
-top = st.lists(st.lists(st.tuples(i32, f64), max_size=5), max_size=8)
+top = st.lists(st.lists(st.tuples(st.integers(-(2**31), 2**31 - 1), f64), max_size=5), max_size=8)
+delta = st.builds(TokenDelta, request_id=count, token_ids=tokens, logprobs=st.none() | st.lists(f64, max_size=20),
+                  top_logprobs=st.none() | top)
+finished = st.builds(Finished, request_id=count, reason=st.sampled_from(FINISH_REASONS), prompt_tokens=count,
+                     completion_tokens=count, error=st.none() | text, error_code=st.integers(0, 599))
 STRATEGIES = {
-    Submit: st.builds(Submit, request_id=i64, prompt_token_ids=tokens, params=params),
-    Abort: st.builds(Abort, request_id=i64),
-    TokenDelta: st.builds(
-        TokenDelta, request_id=i64, token_ids=tokens,
-        logprobs=st.none() | st.lists(f64, max_size=20), top_logprobs=st.none() | top,
-    ),
-    Finished: st.builds(Finished, request_id=i64, reason=text, prompt_tokens=i64, completion_tokens=i64),
-    Error: st.builds(Error, request_id=i64, message=text, code=i64),
-    WorkerReady: st.builds(
-        WorkerReady, rank=i64, pid=i64, num_kv_blocks=i64, kv_block_size=i64, max_model_len=i64, device=text
-    ),
-    Heartbeat: st.builds(
-        Heartbeat, rank=i64, step=i64, step_started_at=f64, num_running=i64, num_waiting=i64,
-        kv_blocks_used=i64, kv_blocks_total=i64, sent_at=f64,
-    ),
+    Submit: st.builds(Submit, request_id=count, prompt_token_ids=tokens, params=params),
+    Abort: st.builds(Abort, request_ids=st.lists(count, max_size=20)),
     Shutdown: st.builds(Shutdown, reason=text),
+    StepOutputs: st.builds(StepOutputs, deltas=st.lists(delta, max_size=4), finished=st.lists(finished, max_size=4)),
+    WorkerReady: st.builds(WorkerReady, rank=count, pid=count, num_kv_blocks=count, kv_block_size=count,
+                           max_model_len=count, device=text),
+    Heartbeat: st.builds(Heartbeat, rank=count, step=count, step_started_at=seconds, num_running=count,
+                         num_waiting=count, kv_blocks_used=count, kv_blocks_total=count, sent_at=seconds,
+                         spec_accepted_per_position=st.lists(count, max_size=4)),
 }
 any_message = st.one_of(*STRATEGIES.values())
 
@@ -66,9 +69,10 @@ def test_every_message_type_has_a_strategy():
 def test_round_trip(cls, data):
     msg = data.draw(STRATEGIES[cls])
     raw = codec.encode(msg)
-    assert raw[0] == cls.TAG
+    assert msgspec.msgpack.decode(raw)[0] == cls.__struct_config__.tag  # a tagged array on the wire
     assert codec.decode(raw) == msg
     assert codec.decode(memoryview(bytearray(raw))) == msg
+    assert check(msg) == msg  # every generated value is within its wire type's limits
 
 
 @settings(max_examples=60, deadline=None)
@@ -94,7 +98,7 @@ def test_garbage_never_crashes(raw):
         msg = codec.decode(raw)
     except DecodeError:
         return
-    assert codec.encode(msg) == raw  # whatever decodes must be a canonical encoding
+    assert codec.decode(codec.encode(msg)) == msg  # whatever decodes is a well-formed message
 
 
 @settings(max_examples=200, deadline=None)
@@ -104,45 +108,56 @@ def test_bit_flips_decode_or_fail_cleanly(msg, data):
     pos = data.draw(st.integers(0, len(raw) - 1))
     raw[pos] ^= 1 << data.draw(st.integers(0, 7))
     try:
-        codec.decode(bytes(raw))
+        flipped = codec.decode(bytes(raw))
     except DecodeError:
-        pass
+        return
+    assert check(flipped) == flipped  # a flip that still decodes is still within every limit
 
 
 def test_specific_garbage_errors():
-    with pytest.raises(DecodeError, match="empty"):
+    with pytest.raises(DecodeError, match="truncated"):
         codec.decode(b"")
-    with pytest.raises(DecodeError, match="unknown message tag 255"):
-        codec.decode(b"\xff")
-    huge = bytes([TokenDelta.TAG]) + struct.pack("<qI", 1, 2**32 - 1)
-    with pytest.raises(DecodeError, match="count 4294967295"):
+    with pytest.raises(DecodeError, match="Invalid value 255"):
+        codec.decode(msgspec.msgpack.encode([255, "x"]))  # unknown tag
+    huge = b"\x94\x02\xdd\xff\xff\xff\xff"  # an Abort claiming 2**32 - 1 request ids
+    with pytest.raises(DecodeError):
         codec.decode(huge)
-    bad_flag = codec.encode(Submit(1, [], SamplingParamsMsg()))
-    flag_at = 1 + 8 + 4 + 8 * 7  # tag, request_id, empty tokens, seven scalars -> seed flag
-    with pytest.raises(DecodeError, match="flag byte"):
-        codec.decode(bad_flag[:flag_at] + b"\x07" + bad_flag[flag_at + 1 :])
-    bad_utf8 = bytes([Shutdown.TAG]) + struct.pack("<I", 2) + b"\xff\xfe"
-    with pytest.raises(DecodeError, match="UTF-8"):
+    bad_utf8 = b"\x92\x03\xa2\xff\xfe"  # Shutdown with a 2-byte string that is not UTF-8
+    with pytest.raises(DecodeError, match="(?i)utf-8"):
         codec.decode(bad_utf8)
+    with pytest.raises(DecodeError, match="Expected `str`"):
+        codec.decode(msgspec.msgpack.encode([3, 7]))  # a Shutdown whose reason is an int
+    with pytest.raises(DecodeError):  # a Submit where only worker output belongs
+        codec.decode(codec.encode(Submit(1, [1], SamplingParams())), "from_worker")
 
 
-@pytest.mark.parametrize("bad", [[2**31], [-(2**31) - 1], [1.5], ["7"]])
-def test_out_of_range_tokens_are_an_encode_error(bad):
-    with pytest.raises(EncodeError, match="TokenDelta.token_ids"):
-        codec.encode(TokenDelta(1, bad))
+@pytest.mark.parametrize("bad", [[2**31], [-1], [1.5], ["7"]])
+def test_out_of_range_tokens_are_refused_by_name(bad):
+    msg = TokenDelta(1, bad)
+    with pytest.raises(InvalidField) as refused:
+        check(msg)
+    assert refused.value.field == "token_ids"
+    with pytest.raises(DecodeError):  # and a worker reading it off a ring refuses it cleanly
+        codec.decode(codec.encode(StepOutputs([msg], [])))
 
 
-def test_bad_scalar_types_are_an_encode_error():
-    with pytest.raises(EncodeError, match="Abort.request_id"):
-        codec.encode(Abort("1"))  # type: ignore[arg-type]
-    with pytest.raises(EncodeError, match="request_id"):
-        codec.encode(Abort(2**64))
+def test_bad_scalars_are_refused_by_name_or_cannot_be_encoded():
+    with pytest.raises(InvalidField) as refused:
+        check(Abort(["1"]))  # type: ignore[list-item]
+    assert refused.value.field == "request_ids"
+    with pytest.raises(EncodeError, match="int"):
+        codec.encode(Abort([2**64]))
+    with pytest.raises(EncodeError, match="surrogates"):
+        codec.encode(Shutdown("\ud800"))
     with pytest.raises(EncodeError, match="not an ipc message"):
-        codec.encode(SamplingParamsMsg())  # type: ignore[arg-type]
+        codec.encode(SamplingParams())  # type: ignore[arg-type]
+    with pytest.raises(InvalidField) as refused:
+        check(Submit(1, [3], SamplingParams(seed=2**63)))
+    assert refused.value.field == "params.seed"
 
 
 def test_oversize_message_names_sizes():
-    msg = Submit(1, list(range(1000)), SamplingParamsMsg())
+    msg = Submit(1, list(range(1000)), SamplingParams())
     size = len(codec.encode(msg))
     with pytest.raises(MessageTooLarge, match=rf"{size} bytes, limit is 100 bytes"):
         codec.encode(msg, max_bytes=100)
@@ -153,9 +168,9 @@ def test_through_a_ring_zero_copy():
     writer = RingWriter.attach(reader.name)
     try:
         msgs = [
-            Submit(7, [1, 2, 3], SamplingParamsMsg(seed=1, session_id="s")),
-            TokenDelta(7, [4], [-0.5], [[(4, -0.5), (9, -2.0)]]),
-            Finished(7, "stop", 3, 1),
+            Submit(7, [1, 2, 3], SamplingParams(seed=1)),
+            StepOutputs([TokenDelta(7, [4], [-0.5], [[(4, -0.5), (9, -2.0)]])], [Finished(7, "stop", 3, 1)]),
+            Abort([7, 8]),
         ]
         for m in msgs:
             writer.put(codec.encode(m, max_bytes=writer.capacity))

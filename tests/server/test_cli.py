@@ -10,9 +10,9 @@ import sys
 import pytest
 import torch
 
-from engine.generate import generate
-from engine.sampling import SamplingParams
 from engine.weights import load_model
+from ipc.messages import SamplingParams
+from reference_driver import generate
 
 
 def ringserve(*args: str, check: bool = True) -> subprocess.CompletedProcess:

@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from engine.engine import EngineConfig
-from engine.worker import new_event_loop
-from ipc import SamplingParamsMsg
+from engine.config import EngineConfig
+from ipc.loop import new_event_loop
+from ipc.messages import Finished, SamplingParams
 from ipc.segment import list_segments, remove_orphans
 from server.engine_client import EngineClient
 
@@ -63,15 +63,17 @@ def test_killed_worker_fails_only_its_requests_and_shutdown_leaves_nothing(model
         client = EngineClient(model_dir, _config(), dp=2, threads_per_worker=1, stuck_after_s=1.0)
         await client.start()
         try:
-            long = SamplingParamsMsg(max_tokens=120, temperature=0.0, ignore_eos=True)
+            long = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
             results: dict[int, tuple[str, str | None, int]] = {}
 
             async def run(i):
                 n, last = 0, None
                 async for item in client.generate([5 + i, 6, 7], long, request_id=100 + i):
-                    n += len(item.token_ids)
-                    last = item
-                results[i] = (last.finish_reason, last.error, n)
+                    if isinstance(item, Finished):
+                        last = item
+                    else:
+                        n += len(item.token_ids)
+                results[i] = (last.reason, last.error, n)
 
             tasks = [asyncio.ensure_future(run(i)) for i in range(4)]
             await asyncio.sleep(0.5)

@@ -1,0 +1,80 @@
+"""What the scheduler hands the model runner for one step, and what the runner hands back.
+
+`Batch` is read-only to the runner; `StepOutput` is the runner's whole answer. The scheduler
+alone turns that answer into request state (tokens, drafts, counters, finishes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .request import Request
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    start: int  # first position computed this step
+    num_tokens: int  # positions [start, start + num_tokens)
+    num_draft: int  # trailing draft tokens among them (verification)
+    # Whether this step computes every known (and draft) token, so a new token is sampled.
+    # Fixed when scheduled: the update appends tokens afterwards.
+    reaches_end: bool
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    def token_ids(self) -> list[int]:
+        """Token ids at positions [start, end): known tokens, then the trailing drafts."""
+        req = self.request
+        known = len(req.token_ids)
+        tokens = req.token_ids[self.start : self.end]
+        if self.end > known:  # verification
+            tokens = tokens + req.draft_token_ids[max(0, self.start - known) : self.end - known]
+        return tokens
+
+
+@dataclass
+class Batch:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def uniform_decode(self) -> int | None:
+        """q when every sequence computes exactly its last q tokens (decode: 1, verify: 1 + drafts),
+        the steps the static-shape path can run; else None."""
+        if not self.scheduled:
+            return None
+        q = self.scheduled[0].num_tokens
+        if all(s.reaches_end and s.num_tokens == q and s.num_draft == q - 1 for s in self.scheduled):
+            return q
+        return None
+
+    def __bool__(self) -> bool:
+        return bool(self.scheduled)
+
+
+@dataclass(slots=True)
+class RequestStepOutput:
+    """What one request that reached its end this step produced."""
+
+    accepted: list[int]  # verified drafts, then the newly sampled (bonus or recovered) token
+    logprobs: list[float] | None = None  # one per accepted token
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    drafts: list[int] = field(default_factory=list)  # proposals for the next step
+    draft_probs: torch.Tensor | None = None  # [len(drafts), V] for sampled drafts; None = one-hot
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """The runner's result: one entry per request that reached its end (request id → output)."""
+
+    outputs: dict[int, RequestStepOutput] = field(default_factory=dict)
