@@ -104,3 +104,88 @@ def check_expert_ids(expert_ids: torch.Tensor, num_experts: int, check_range: bo
         lo, hi = int(expert_ids.min()), int(expert_ids.max())
         if lo < 0 or hi >= num_experts:
             raise ValueError(f"expert ids must be in [0, {num_experts}), got [{lo}, {hi}]")
+
+
+# ---- quantized GEMMs ------------------------------------------------------------------------
+
+FP8_WEIGHT_DTYPES = (torch.float8_e4m3fn, torch.uint8)
+FP4_WEIGHT_DTYPES = (torch.int8, torch.uint8)
+SCALE_DTYPES = (torch.float8_e8m0fnu, torch.uint8, torch.float32)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def check_act_quant(x: torch.Tensor, group: int, op: str = "act_quant_fp8") -> None:
+    if x.dim() < 1 or x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{op}: x must be a float tensor [..., K] of {FLOAT_DTYPES}, got {x.dtype} {tuple(x.shape)}")
+    if group < 1 or group & (group - 1):
+        raise ValueError(f"{op}: the activation group must be a power of two, got {group}")
+
+
+def _check_gemm_input(op: str, x: torch.Tensor, k: int, out_dtype: torch.dtype | None, act_group: int) -> None:
+    if x.dim() != 2 or x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{op}: x must be [M, K] of {FLOAT_DTYPES}, got {x.dtype} {tuple(x.shape)}")
+    if x.shape[1] != k:
+        raise ValueError(f"{op}: x has K={x.shape[1]} but the weight has K={k}")
+    if out_dtype is not None:
+        check_out_dtype(out_dtype)
+    check_act_quant(x, act_group, op)
+
+
+def _check_experts(op: str, weight: torch.Tensor, offsets: torch.Tensor | None, rows: int) -> None:
+    """Dense ops take a 2-D weight; grouped ones a 3-D [E, ...] stack and offsets [E]."""
+    if offsets is None:
+        if weight.dim() != 2:
+            raise ValueError(f"{op}: weight must be 2-D, got {tuple(weight.shape)}")
+        return
+    if weight.dim() != 3:
+        raise ValueError(f"{op}: weight must be [E, N, ...], got {tuple(weight.shape)}")
+    check_offsets(op, offsets, weight.shape[0], rows)
+
+
+def check_offsets(op: str, offsets: torch.Tensor, num_experts: int, rows: int) -> None:
+    """offsets [E] int: cumulative row ends, non-decreasing, within [0, rows]. The values are
+    checked only on the host: reading CUDA offsets would sync with the device."""
+    if offsets.dim() != 1 or offsets.dtype not in (torch.int32, torch.int64) or offsets.shape[0] != num_experts:
+        raise ValueError(f"{op}: offsets must be int32 [{num_experts}], got {offsets.dtype} {tuple(offsets.shape)}")
+    if num_experts and not offsets.is_cuda:
+        ends = offsets.long()
+        starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+        if bool((ends < starts).any()) or int(ends[-1]) > rows:
+            raise ValueError(f"{op}: offsets must be non-decreasing cumulative ends within [0, {rows}], "
+                             f"got {offsets.tolist()}")
+
+
+def _check_scale(op: str, scale: torch.Tensor, expected: tuple[int, ...]) -> None:
+    if scale.dtype not in SCALE_DTYPES:
+        raise ValueError(f"{op}: scale must be one of {SCALE_DTYPES}, got {scale.dtype}")
+    if tuple(scale.shape) != expected:
+        raise ValueError(f"{op}: scale must have shape {expected}, got {tuple(scale.shape)}")
+
+
+def check_fp8_gemm(op: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+                   offsets: torch.Tensor | None, out_dtype: torch.dtype | None, act_group: int) -> None:
+    """weight e4m3 [(E,) N, K], scale [(E,) ceil(N/bN), ceil(K/bK)], x [M, K]."""
+    if weight.dtype not in FP8_WEIGHT_DTYPES:
+        raise ValueError(f"{op}: weight must be one of {FP8_WEIGHT_DTYPES}, got {weight.dtype}")
+    if len(block) != 2 or min(block) < 1:
+        raise ValueError(f"{op}: block must be two positive ints (bN, bK), got {block}")
+    _check_experts(op, weight, offsets, x.shape[0] if x.dim() else 0)
+    n, k = weight.shape[-2:]
+    _check_gemm_input(op, x, k, out_dtype, act_group)
+    _check_scale(op, scale, (*weight.shape[:-2], _cdiv(n, block[0]), _cdiv(k, block[1])))
+
+
+def check_fp4_gemm(op: str, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, group: int,
+                   offsets: torch.Tensor | None, out_dtype: torch.dtype | None, act_group: int) -> None:
+    """packed e2m1 pairs [(E,) N, K/2], scale [(E,) N, ceil(K/group)], x [M, K]."""
+    if packed.dtype not in FP4_WEIGHT_DTYPES:
+        raise ValueError(f"{op}: packed weight must be one of {FP4_WEIGHT_DTYPES}, got {packed.dtype}")
+    if group < 2 or group % 2:
+        raise ValueError(f"{op}: the FP4 scale group must be a positive even number, got {group}")
+    _check_experts(op, packed, offsets, x.shape[0] if x.dim() else 0)
+    n, k = packed.shape[-2], 2 * packed.shape[-1]
+    _check_gemm_input(op, x, k, out_dtype, act_group)
+    _check_scale(op, scale, (*packed.shape[:-2], n, _cdiv(k, group)))

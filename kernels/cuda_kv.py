@@ -1,4 +1,5 @@
-"""CuPy launches of kernels/cuda/kv_cache.cu on torch CUDA tensors (torch's current stream).
+"""CuPy launches of kernels/cuda/kv_cache.cu on torch CUDA tensors (on their device, on torch's
+current stream there: see kernels/devices.py).
 
 Validation here never syncs with the device: slot ranges are not checked on the host; the
 kernels skip (scatter) or zero (gather) slots outside the pool instead.
@@ -10,26 +11,25 @@ import torch
 
 from kernels import checks
 from kernels.cuda_names import IN_TYPES, NAME_EXPRESSIONS
+from kernels.devices import cupy_launch
 from kernels.formats import KVFormat
 from kernels.loader import load_module
 
 THREADS = 128
 
 
-def _kernel(prefix: str, dtype: torch.dtype, f: KVFormat):
+def _kernel_name(prefix: str, dtype: torch.dtype, f: KVFormat) -> str:
     ctype = IN_TYPES[str(dtype).removeprefix("torch.")]
     args = {"bf16": "", "fp8_ds_mla": ", 64", "fp4_kv": ", 16, false", "fp4_index": ", 32, true"}[f.name]
     kind = "fp4" if f.name.startswith("fp4") else f.name
-    module = load_module("kv_cache", name_expressions=NAME_EXPRESSIONS["kv_cache"])
-    return module.get_function(f"{prefix}_{kind}<{ctype}{args}>")
+    return f"{prefix}_{kind}<{ctype}{args}>"
 
 
-def _launch(kernel, rows: int, args: tuple) -> None:
-    import cupy
-
+def _launch(name: str, device_tensor: torch.Tensor, rows: int, args: tuple) -> None:
     if rows == 0:
         return
-    with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+    with cupy_launch(device_tensor):   # the module is loaded per device: look the kernel up inside
+        kernel = load_module("kv_cache", name_expressions=NAME_EXPRESSIONS["kv_cache"]).get_function(name)
         kernel((rows,), (THREADS,), args)
 
 
@@ -53,7 +53,7 @@ def quantize_scatter(x: torch.Tensor, pool: torch.Tensor, slot_mapping: torch.Te
     checks.check_slots(slot_mapping, x.shape[0], pool.shape[0] * pool.shape[1], check_range=False)
     x, slots = x.contiguous(), slot_mapping.contiguous()
     args = (_ptr(x), _ptr(slots), _ptr(pool)) + _layout_args(f, pool.shape[1], pool.shape[0] * pool.shape[1])
-    _launch(_kernel("scatter", x.dtype, f), x.shape[0], args)
+    _launch(_kernel_name("scatter", x.dtype, f), pool, x.shape[0], args)
 
 
 def gather_dequantize(pool: torch.Tensor, slots: torch.Tensor, fmt: str,
@@ -65,7 +65,7 @@ def gather_dequantize(pool: torch.Tensor, slots: torch.Tensor, fmt: str,
     slots = slots.contiguous()
     out = torch.empty((slots.shape[0], f.dim), dtype=out_dtype, device=pool.device)
     args = (_ptr(pool), _ptr(slots), _ptr(out)) + _layout_args(f, pool.shape[1], pool.shape[0] * pool.shape[1])
-    _launch(_kernel("gather", out_dtype, f), slots.shape[0], args)
+    _launch(_kernel_name("gather", out_dtype, f), pool, slots.shape[0], args)
     return out
 
 

@@ -1,4 +1,5 @@
-"""CuPy launches of kernels/cuda/moe_routing.cu on torch CUDA tensors (torch's current stream).
+"""CuPy launches of kernels/cuda/moe_routing.cu on torch CUDA tensors (on their device, on torch's
+current stream there: see kernels/devices.py).
 
 Scores use CUDA's expf/log1pf, so weights agree with the CPU reference to a few ulps, not bit
 for bit; selection follows the same key order and tie rule.
@@ -10,6 +11,7 @@ import torch
 
 from kernels import checks
 from kernels.cuda_names import NAME_EXPRESSIONS, ROUTE_PER_LANE
+from kernels.devices import cupy_launch
 from kernels.loader import load_module
 
 WARPS_PER_BLOCK = 4
@@ -24,12 +26,10 @@ def _ptr(t: torch.Tensor | None) -> np.uint64:
     return np.uint64(0 if t is None else t.data_ptr())
 
 
-def _run(name: str, grid: int, block: int, args: tuple) -> None:
-    import cupy
-
+def _run(name: str, device_tensor: torch.Tensor, grid: int, block: int, args: tuple) -> None:
     if grid == 0:
         return
-    with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+    with cupy_launch(device_tensor):   # the module is loaded per device: look the kernel up inside
         _module().get_function(name)((grid,), (block,), args)
 
 
@@ -46,7 +46,7 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, routed_sc
         table = tid2eid.to(torch.int32).contiguous()    # pass int32 to avoid this copy
         tokens = token_ids.to(torch.int64).contiguous()
         args = (_ptr(logits), _ptr(tokens), _ptr(table), np.int64(table.shape[0])) + dims + (_ptr(weights), _ptr(ids))
-        _run("route_hash", (num_tokens + 127) // 128, 128, args)
+        _run("route_hash", logits, (num_tokens + 127) // 128, 128, args)
         return weights, ids
     per_lane = next((p for p in ROUTE_PER_LANE if 32 * p >= num_experts), None)
     if per_lane is None or top_k > 32 * per_lane:
@@ -54,7 +54,7 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, routed_sc
     bias = None if bias is None else bias.contiguous()
     args = (_ptr(logits), _ptr(bias)) + dims + (_ptr(weights), _ptr(ids))
     grid = (num_tokens + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK
-    _run(f"route_topk<{per_lane}>", grid, 32 * WARPS_PER_BLOCK, args)
+    _run(f"route_topk<{per_lane}>", logits, grid, 32 * WARPS_PER_BLOCK, args)
     return weights, ids
 
 
@@ -67,8 +67,8 @@ def permute(expert_ids: torch.Tensor, num_experts: int,
     offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=dev)
     order = torch.empty(n, dtype=torch.int32, device=dev)
     inverse = torch.empty(n, dtype=torch.int32, device=dev)
-    _run("permute_count", max(1, min(1024, (n + 255) // 256)), 256, (_ptr(flat), np.int32(n), np.int32(num_experts), _ptr(counts)))
-    _run("permute_offsets", 1, 1, (_ptr(counts), np.int32(num_experts), _ptr(offsets)))
-    _run("permute_scatter", num_experts, SCATTER_THREADS,
+    _run("permute_count", flat, max(1, min(1024, (n + 255) // 256)), 256, (_ptr(flat), np.int32(n), np.int32(num_experts), _ptr(counts)))
+    _run("permute_offsets", flat, 1, 1, (_ptr(counts), np.int32(num_experts), _ptr(offsets)))
+    _run("permute_scatter", flat, num_experts, SCATTER_THREADS,
          (_ptr(flat), np.int32(n), _ptr(offsets), _ptr(order), _ptr(inverse)))
     return counts, offsets, order, inverse

@@ -1,7 +1,9 @@
 """Readable torch definitions of every kernel op; the numba and CUDA versions must match these.
 
 KV formats and their numeric rules are specified in ``kernels/formats.py``. Routing and the
-expert permutation are specified on ``route`` and ``permute`` below.
+expert permutation are specified on ``route`` and ``permute`` below; the quantized GEMMs (FP8
+block-scaled and packed-FP4 weights, dense and grouped) and activation fake-quantization in the
+last section.
 """
 from __future__ import annotations
 
@@ -228,3 +230,118 @@ def permute(expert_ids: torch.Tensor, num_experts: int,
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel())
     return counts.int(), offsets.int(), order.int(), inverse.int()
+
+
+# ---- quantized GEMMs: weights kept in stored form ---------------------------------------------
+#
+# Dense weights: e4m3 codes W [N, K] with one scale per bN x bK block, scale [ceil(N/bN),
+# ceil(K/bK)]. Routed experts: e2m1 codes packed two per byte along K (low nibble = even k),
+# [N, K/2], one scale per ``group`` (32) along K, scale [N, ceil(K/group)]. Scales are E8M0 bytes
+# (float8_e8m0fnu or uint8: 2^(b-127), 0xFF is NaN) or plain fp32. Grouped (MoE) versions stack
+# E experts in front: [E, N, ...]. A GEMM computes, in fp32 with fp32 accumulation,
+#     out[m, n] = sum_k a[m, k] * W[n, k] * scale[n // bN, k // bK]       (FP4: scale[n, k // group])
+# where a = x, or act_quant_fp8(x) computed in fp32 when act_quant, then casts to out_dtype
+# (default x.dtype). Every special value follows IEEE: a NaN weight code (e4m3 0x7F/0xFF), a NaN
+# scale or a NaN activation makes every output it is multiplied into NaN (0 * NaN is NaN).
+
+ACT_GROUP = 32      # V4.1: activations are fake-quantized per 32 channels along K
+FP4_GROUP = 32      # values per scale along K in FP4 expert weights
+
+
+def scale_values(scale: torch.Tensor) -> torch.Tensor:
+    """Scale tensor -> fp32: E8M0 bytes (float8_e8m0fnu or uint8) decode to 2^(b-127), NaN for
+    0xFF; fp32 scales are taken as they are."""
+    if scale.dtype == torch.float32:
+        return scale
+    return ue8m0_values(scale.view(torch.uint8))
+
+
+def act_quant_fp8(x: torch.Tensor, group: int = ACT_GROUP) -> torch.Tensor:
+    """Fake-quantize x [..., K] per ``group`` channels along K: quantize to e4m3 and back.
+
+    s = 2^ceil(log2(max(amax, 1e-4) / 448)) per group (the last group may be shorter when K is
+    not a multiple of ``group``); value = e4m3_rne(x / s) * s, saturating at +-448 * s; the result
+    is cast to x.dtype (RNE; exact for bf16 and fp32). Special values, as in kernels/formats.py:
+    NaN never counts towards amax and stays NaN; +-Inf counts as +-FLT_MAX, so its group gets
+    s = 2^120 and the Inf comes back as +-Inf (256 * 2^120 overflows fp32) while the group's
+    finite values flush to +-0 or tiny multiples of 2^111.
+    """
+    return _act_quant_f32(x, group).to(x.dtype)
+
+
+def _act_quant_f32(x: torch.Tensor, group: int) -> torch.Tensor:
+    k = x.shape[-1]
+    padded = F.pad(x.float(), (0, -k % group))             # zeros never raise a group's amax
+    xb, amax, _ = _blocks(padded, group)                   # [..., G, group], [..., G]
+    scale = pow2(ue8m0_exponent(amax, E4M3_MAX))[..., None]
+    y = e4m3_values(e4m3_codes(xb / scale)) * scale
+    return y.flatten(-2)[..., :k]
+
+
+def dequantize_fp8_weight(weight: torch.Tensor, scale: torch.Tensor,
+                          block: tuple[int, int]) -> torch.Tensor:
+    """e4m3 [..., N, K] (float8_e4m3fn or uint8 codes) with block scales -> fp32 [..., N, K]."""
+    n, k = weight.shape[-2:]
+    s = scale_values(scale)                                # [..., NB, KB]
+    s = s.repeat_interleave(block[0], dim=-2)[..., :n, :].repeat_interleave(block[1], dim=-1)[..., :k]
+    return e4m3_values(weight.view(torch.uint8)) * s
+
+
+def dequantize_fp4_weight(packed: torch.Tensor, scale: torch.Tensor, group: int = FP4_GROUP) -> torch.Tensor:
+    """Packed e2m1 [..., N, K/2] (int8 or uint8) with scales [..., N, ceil(K/group)] -> fp32 [..., N, K]."""
+    codes = unpack_nibbles(packed.view(torch.uint8))      # [..., N, K]
+    s = scale_values(scale).repeat_interleave(group, dim=-1)[..., :codes.shape[-1]]
+    return e2m1_values(codes) * s
+
+
+def _activation(x: torch.Tensor, act_quant: bool, act_group: int) -> torch.Tensor:
+    return _act_quant_f32(x, act_group) if act_quant else x.float()
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (128, 128),
+               act_quant: bool = False, out_dtype: torch.dtype | None = None,
+               act_group: int = ACT_GROUP) -> torch.Tensor:
+    """x [M, K] @ dequant(weight [N, K])^T -> [M, N] (see the section comment)."""
+    checks.check_fp8_gemm("fp8_linear", x, weight, scale, block, None, out_dtype, act_group)
+    w = dequantize_fp8_weight(weight, scale, block)       # [N, K]
+    return (_activation(x, act_quant, act_group) @ w.T).to(out_dtype or x.dtype)
+
+
+def fp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, act_quant: bool = False,
+               out_dtype: torch.dtype | None = None, group: int = FP4_GROUP,
+               act_group: int = ACT_GROUP) -> torch.Tensor:
+    """x [M, K] @ dequant(packed [N, K/2])^T -> [M, N] (see the section comment)."""
+    checks.check_fp4_gemm("fp4_linear", x, packed, scale, group, None, out_dtype, act_group)
+    w = dequantize_fp4_weight(packed, scale, group)       # [N, K]
+    return (_activation(x, act_quant, act_group) @ w.T).to(out_dtype or x.dtype)
+
+
+def _grouped(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Rows [offsets[e-1], offsets[e]) of a [S, K] times w[e]^T ([E, N, K]); rows at or past
+    offsets[-1] belong to no expert and are zero."""
+    out = torch.zeros(a.shape[0], w.shape[1])             # [S, N]
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        out[start:end] = a[start:end] @ w[e].T
+        start = end
+    return out
+
+
+def fp8_grouped_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, offsets: torch.Tensor,
+                   block: tuple[int, int] = (128, 128), act_quant: bool = False,
+                   out_dtype: torch.dtype | None = None, act_group: int = ACT_GROUP) -> torch.Tensor:
+    """Per expert e: x rows [offsets[e-1], offsets[e]) @ dequant(weight[e])^T; x [S, K],
+    weight [E, N, K], scale [E, NB, KB], offsets [E] cumulative ends (as F.grouped_mm's offs)."""
+    checks.check_fp8_gemm("fp8_grouped_mm", x, weight, scale, block, offsets, out_dtype, act_group)
+    w = dequantize_fp8_weight(weight, scale, block)       # [E, N, K]
+    return _grouped(_activation(x, act_quant, act_group), w, offsets).to(out_dtype or x.dtype)
+
+
+def fp4_grouped_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offsets: torch.Tensor,
+                   act_quant: bool = False, out_dtype: torch.dtype | None = None, group: int = FP4_GROUP,
+                   act_group: int = ACT_GROUP) -> torch.Tensor:
+    """Per expert e: x rows [offsets[e-1], offsets[e]) @ dequant(packed[e])^T; x [S, K],
+    packed [E, N, K/2], scale [E, N, ceil(K/group)], offsets [E] cumulative ends."""
+    checks.check_fp4_gemm("fp4_grouped_mm", x, packed, scale, group, offsets, out_dtype, act_group)
+    w = dequantize_fp4_weight(packed, scale, group)       # [E, N, K]
+    return _grouped(_activation(x, act_quant, act_group), w, offsets).to(out_dtype or x.dtype)

@@ -23,6 +23,7 @@ import torch
 
 import kernels
 from kernels import cpu_kv, cpu_routing, reference
+from kernels.devices import importable
 
 FORMATS = {"bf16": 512, "fp8_ds_mla": 512, "fp4_kv": 512, "fp4_index": 128}
 
@@ -108,7 +109,7 @@ def main() -> None:
         t_ref = median_s(reference_fn(name, fn), max(3, args.repeats // 2))
         gbps = moved / t_impl / 1e9
         print(f"{name:28s} {t_impl * 1e3:9.3f} {t_ref * 1e3:9.3f} {t_ref / t_impl:7.1f}x {gbps:7.2f} {gbps / memcpy:8.2f}")
-    if torch.cuda.is_available() and kernels._cupy_importable():
+    if torch.cuda.is_available() and importable("cupy"):
         gpu_copy = copy_gbps("cuda", args.repeats)
         print(f"\nGPU: {torch.cuda.get_device_name()}, copy {gpu_copy:.1f} GB/s")
         print(f"{'op':28s} {'cuda ms':>9s} {'GB/s':>7s} {'÷copy':>8s}")

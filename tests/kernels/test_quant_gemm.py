@@ -1,0 +1,409 @@
+"""Quantized GEMMs (FP8 block-scaled, packed FP4, grouped) and activation fake-quantization.
+
+The torch references are checked against engine/weights.py's decoders (an independent decode)
+plus torch matmul; the CPU path (kernels.*) and the Triton kernels (under TRITON_INTERPRET on a
+machine without a GPU: tiny shapes only) are checked against the references on random inputs
+and on edge values.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels
+from kernels import cpu_quant_gemm, reference
+from _kv_inputs import adversarial_rows
+from _quant_inputs import (SCALE_DTYPES, abs_gemm, activations, assert_gemm_close, fp4_weight, fp8_weight,
+                           scale_tensor)
+from engine.checkpoint import quantize_fp4_rows, quantize_fp8_blocks
+from engine.weights import dequantize_fp4, dequantize_fp8
+
+triton_interpreted = pytest.mark.filterwarnings("ignore::RuntimeWarning")   # numpy overflow notes on Inf/NaN
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equal values, NaN where NaN (any payload)."""
+    a, b = a.float(), b.float()
+    nan = torch.isnan(a)
+    return torch.equal(nan, torch.isnan(b)) and torch.equal(a.masked_fill(nan, 0).view(torch.int32),
+                                                            b.masked_fill(nan, 0).view(torch.int32))
+
+
+@pytest.fixture(params=["cpu", "triton"])
+def impl(request):
+    """The op set under test: kernels.* on CPU tensors, or the Triton module (interpreted)."""
+    if request.param == "cpu":
+        return kernels
+    return pytest.importorskip("kernels.triton.quant_gemm")
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def poison_scale(s: torch.Tensor, index: int) -> None:
+    """Make flat scale element ``index`` NaN: E8M0 byte 0xFF, or an fp32 NaN."""
+    if s.dtype == torch.float32:
+        s.view(-1)[index] = float("nan")
+    else:
+        s.view(torch.uint8).view(-1)[index] = 255
+
+
+# ---- the references against an independent decode ---------------------------------------------
+
+@pytest.mark.parametrize("shape,block", [((48, 96), (16, 32)), ((3, 32, 64), (32, 32)), ((256, 128), (128, 128))])
+@pytest.mark.parametrize("scale_dtype", [torch.float8_e8m0fnu, torch.float32])
+def test_fp8_reference_dequant_matches_engine_decoder(shape, block, scale_dtype):
+    w, s = fp8_weight(shape, block, gen(1), scale_dtype)
+    w.view(torch.uint8).view(-1)[:4] = torch.tensor([0x7F, 0xFF, 0x01, 0xFE], dtype=torch.uint8)  # NaN, subnormal, -448
+    poison_scale(s, -1)
+    assert same(reference.dequantize_fp8_weight(w, s, block), dequantize_fp8(w, s))
+
+
+@pytest.mark.parametrize("shape", [(40, 64), (2, 16, 96)])
+@pytest.mark.parametrize("scale_dtype", [torch.float8_e8m0fnu, torch.float32])
+def test_fp4_reference_dequant_matches_engine_decoder(shape, scale_dtype):
+    p, s = fp4_weight(shape, 32, gen(2), scale_dtype)
+    poison_scale(s, 0)
+    assert same(reference.dequantize_fp4_weight(p, s), dequantize_fp4(p, s))
+
+
+def test_reference_linears_are_engine_dequant_times_matmul():
+    g = gen(3)
+    w = torch.randn(64, 96, generator=g)
+    x = activations(7, 96, g)
+    q8, s8 = quantize_fp8_blocks(w, 32)
+    assert torch.equal(reference.fp8_linear(x, q8, s8, (32, 32)), x @ dequantize_fp8(q8, s8).T)
+    q4, s4 = quantize_fp4_rows(w)
+    assert torch.equal(reference.fp4_linear(x, q4, s4), x @ dequantize_fp4(q4, s4).T)
+    xq = reference.act_quant_fp8(x)
+    assert torch.equal(reference.fp4_linear(x, q4, s4, act_quant=True), xq @ dequantize_fp4(q4, s4).T)
+
+
+def test_reference_grouped_is_grouped_mm_of_engine_dequant():
+    g = gen(4)
+    p, s = fp4_weight((3, 24, 64), 32, g)
+    x = activations(10, 64, g)
+    offsets = torch.tensor([2, 2, 8], dtype=torch.int32)          # expert 1 empty, rows 8..9 unrouted
+    w = dequantize_fp4(p, s)                                       # [E, N, K]
+    out = reference.fp4_grouped_mm(x, p, s, offsets)
+    expected = F.grouped_mm(x, w.transpose(1, 2), offs=offsets)    # leaves rows past offs[-1] unwritten
+    assert_gemm_close(out[:8], expected[:8], abs_gemm(x, w, False, offsets)[:8], 64)
+    assert torch.equal(out[8:], torch.zeros(2, 24))
+
+
+def _independent_act_quant(x: torch.Tensor, group: int) -> torch.Tensor:
+    """Per group with Python floats for the scale and torch's e4m3 cast for the rounding."""
+    out = torch.empty_like(x)
+    floor = float(torch.tensor(1e-4))                              # the fp32 floor
+    for r in range(x.shape[0]):
+        for g0 in range(0, x.shape[1], group):
+            seg = x[r, g0:g0 + group]
+            mantissa, exponent = math.frexp(max(float(seg.abs().max()), floor) / 448.0)
+            s = 2.0 ** (exponent - 1 if mantissa == 0.5 else exponent)
+            out[r, g0:g0 + group] = (seg / s).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s
+    return out
+
+
+def test_reference_act_quant_matches_an_independent_formula():
+    g = gen(5)
+    x = activations(6, 100, g) * 10
+    x[0, :32] = 448.0 * 2.0 ** -3                                  # amax exactly on a power-of-two ratio
+    x[1, 32:64] = torch.tensor([0.0, 1e-6] * 16)                   # the 1e-4 floor decides
+    x[2, :8] = torch.tensor([1.0625, 1.1875, 17.0, 18.0, 2.0 ** -9, 3 * 2.0 ** -10, 464.0, -465.0])  # ties
+    assert same(reference.act_quant_fp8(x), _independent_act_quant(x, 32))
+    assert same(reference.act_quant_fp8(x, 128), _independent_act_quant(x, 128))
+
+
+# ---- activation fake-quantization: implementations vs the reference, bit for bit ---------------
+
+@triton_interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group", [32, 128])
+def test_act_quant_matches_reference_bitwise(impl, dtype, group):
+    x = torch.cat([adversarial_rows(100)[::3], activations(8, 100, gen(6)) * 1e3]).to(dtype)  # K=100: ragged group
+    out = impl.act_quant_fp8(x, group)
+    assert out.dtype == dtype and out.shape == x.shape
+    assert same(out, reference.act_quant_fp8(x, group))
+
+
+def test_act_quant_special_values():
+    x = torch.zeros(1, 64)
+    x[0, :4] = torch.tensor([float("nan"), 3.0, -7.0, 0.5])
+    x[0, 32:36] = torch.tensor([float("inf"), 1.0, -1e30, 0.0])
+    out = kernels.act_quant_fp8(x)
+    assert torch.isnan(out[0, 0]) and not torch.isnan(out[0, 1:]).any()   # NaN stays, others unaffected
+    assert torch.equal(out[0, 1:4], torch.tensor([3.0, -7.0, 0.5]))        # exact e4m3 values survive
+    # The Inf group gets s = 2^120: Inf saturates and overflows back to Inf, the rest flush to +-0.
+    assert out[0, 32] == float("inf") and out[0, 33] == 0 and out[0, 34] == 0 and torch.signbit(out[0, 34])
+    assert bool((out[0, 36:] == 0).all())
+
+
+# ---- GEMMs: implementations vs the reference ------------------------------------------------------
+
+CPU_FP8_CASES = [(5, 40, 100, (16, 32)), (1, 128, 256, (128, 128)), (33, 70, 96, (32, 32)), (0, 16, 32, (16, 16))]
+TRITON_FP8_CASES = [(5, 24, 80, (16, 32)), (20, 40, 48, (32, 16)), (3, 20, 40, (128, 128))]
+
+
+def _check_fp8(impl, m, n, k, block, act_quant, scale_dtype, x_dtype, out_dtype, seed):
+    g = gen(seed)
+    w, s = fp8_weight((n, k), block, g, scale_dtype)
+    x = activations(m, k, g, x_dtype)
+    out = impl.fp8_linear(x, w, s, block, act_quant=act_quant, out_dtype=out_dtype)
+    ref = reference.fp8_linear(x, w, s, block, act_quant=act_quant, out_dtype=out_dtype)
+    assert_gemm_close(out, ref, abs_gemm(x, reference.dequantize_fp8_weight(w, s, block), act_quant), k)
+
+
+@pytest.mark.parametrize("m,n,k,block", CPU_FP8_CASES)
+@pytest.mark.parametrize("act_quant", [False, True])
+@pytest.mark.parametrize("scale_dtype", SCALE_DTYPES)
+def test_cpu_fp8_linear_matches_reference(m, n, k, block, act_quant, scale_dtype):
+    _check_fp8(kernels, m, n, k, block, act_quant, scale_dtype, torch.float32, torch.float32, m + n)
+
+
+@pytest.mark.parametrize("x_dtype,out_dtype", [(torch.bfloat16, None), (torch.float16, torch.bfloat16),
+                                               (torch.bfloat16, torch.float16)])
+def test_cpu_fp8_linear_dtypes(x_dtype, out_dtype):
+    _check_fp8(kernels, 9, 48, 64, (16, 32), True, torch.float8_e8m0fnu, x_dtype, out_dtype, 7)
+
+
+def test_cpu_path_tiles_cover_every_row(monkeypatch):
+    monkeypatch.setattr(cpu_quant_gemm, "TILE_BYTES", 1)          # one scale block (or one row) per tile
+    _check_fp8(kernels, 4, 40, 100, (16, 32), False, torch.uint8, torch.float32, torch.float32, 8)
+    g = gen(9)
+    p, s = fp4_weight((7, 64), 32, g)
+    x = activations(3, 64, g)
+    assert_gemm_close(kernels.fp4_linear(x, p, s), reference.fp4_linear(x, p, s),
+                      abs_gemm(x, reference.dequantize_fp4_weight(p, s), False), 64)
+
+
+@triton_interpreted
+@pytest.mark.parametrize("m,n,k,block", TRITON_FP8_CASES)
+def test_triton_fp8_linear_matches_reference(m, n, k, block):
+    qg = pytest.importorskip("kernels.triton.quant_gemm")
+    _check_fp8(qg, m, n, k, block, m % 2 == 1, torch.float8_e8m0fnu, torch.bfloat16, torch.float32, m)
+
+
+@triton_interpreted
+@pytest.mark.parametrize("scale_dtype,x_dtype,out_dtype", [(torch.uint8, torch.float32, torch.bfloat16),
+                                                           (torch.float32, torch.float16, torch.float16)])
+def test_triton_fp8_linear_dtypes(scale_dtype, x_dtype, out_dtype):
+    qg = pytest.importorskip("kernels.triton.quant_gemm")
+    _check_fp8(qg, 17, 20, 48, (16, 16), False, scale_dtype, x_dtype, out_dtype, 11)
+
+
+def _check_fp4(impl, m, n, k, act_quant, scale_dtype, x_dtype, out_dtype, seed):
+    g = gen(seed)
+    p, s = fp4_weight((n, k), 32, g, scale_dtype)
+    x = activations(m, k, g, x_dtype)
+    out = impl.fp4_linear(x, p, s, act_quant=act_quant, out_dtype=out_dtype)
+    ref = reference.fp4_linear(x, p, s, act_quant=act_quant, out_dtype=out_dtype)
+    assert_gemm_close(out, ref, abs_gemm(x, reference.dequantize_fp4_weight(p, s), act_quant), k)
+
+
+@pytest.mark.parametrize("m,n,k", [(5, 40, 96), (1, 256, 512), (17, 33, 80), (0, 8, 64)])
+@pytest.mark.parametrize("act_quant", [False, True])
+@pytest.mark.parametrize("scale_dtype", SCALE_DTYPES)
+def test_cpu_fp4_linear_matches_reference(m, n, k, act_quant, scale_dtype):
+    _check_fp4(kernels, m, n, k, act_quant, scale_dtype, torch.float32, torch.float32, m + k)
+
+
+def test_cpu_fp4_linear_bf16():
+    _check_fp4(kernels, 6, 24, 64, True, torch.float8_e8m0fnu, torch.bfloat16, None, 12)
+
+
+@triton_interpreted
+@pytest.mark.parametrize("m,n,k,act_quant", [(5, 24, 80, False), (18, 20, 64, True)])
+def test_triton_fp4_linear_matches_reference(m, n, k, act_quant):
+    qg = pytest.importorskip("kernels.triton.quant_gemm")
+    _check_fp4(qg, m, n, k, act_quant, torch.float8_e8m0fnu, torch.bfloat16, None, m)
+
+
+@triton_interpreted
+def test_triton_bf16_output_rounds_to_nearest_even():
+    """Integer data make every partial sum exact, so the bf16 output must equal the exact sum
+    rounded to nearest even: 257 -> 256, 259 -> 260, 261.5 -> 262 ... checked bit for bit."""
+    qg = pytest.importorskip("kernels.triton.quant_gemm")
+    n, k = 16, 32
+    w = torch.ones(n, k).to(torch.float8_e4m3fn)                    # code 1.0 everywhere
+    s = torch.full((1, 1), 127, dtype=torch.uint8)                  # scale 1
+    x = torch.zeros(3, k)
+    x[0, :3] = torch.tensor([255.0, 1.0, 1.0])                      # 257: tie, down to even 256
+    x[1, :3] = torch.tensor([255.0, 3.0, 1.0])                      # 259: tie, up to even 260
+    x[2, :2] = torch.tensor([261.0, 0.5])                           # 261.5: above the tie, 262
+    out = qg.fp8_linear(x, w, s, (16, 32), out_dtype=torch.bfloat16)
+    assert torch.equal(out, (x.sum(1, keepdim=True).expand(3, n)).to(torch.bfloat16))
+    assert out[:, 0].tolist() == [256.0, 260.0, 262.0]
+
+
+# ---- edge values --------------------------------------------------------------------------------
+
+def _special_fp8() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, set[int]]:
+    """N=40, K=80 with 16x32 blocks (ragged in both): a zero block, max, subnormal and NaN codes,
+    scale 2^-127 and a NaN scale block. Returns (x, w, s, the NaN columns)."""
+    g = gen(13)
+    w, s = fp8_weight((40, 80), (16, 32), g, torch.uint8)
+    codes = w.view(torch.uint8)
+    codes[0:16, 32:64] = 0                                          # zero block
+    codes[16:32, 0:8] = torch.tensor([0x7E, 0xFE] * 4, dtype=torch.uint8)   # +-448
+    codes[32:40, 0:14] = torch.tensor(list(range(1, 8)) + list(range(0x81, 0x88)), dtype=torch.uint8)  # subnormals
+    codes[35, 5] = 0x7F                                             # a NaN code -> column 35
+    s[2, 0] = 0                                                     # 2^-127 (its products are subnormal)
+    s[1, 2] = 255                                                   # NaN scale -> columns 16..31
+    x = activations(6, 80, g)
+    x[1, :] = 0                                                     # a zero row still meets the NaNs
+    x[2, 32:64] = 0                                                 # a zero activation group
+    return x, w, s, set(range(16, 32)) | {35}
+
+
+@triton_interpreted
+@pytest.mark.parametrize("act_quant", [False, True])
+def test_fp8_edge_values(impl, act_quant):
+    x, w, s, nan_cols = _special_fp8()
+    out = impl.fp8_linear(x, w, s, (16, 32), act_quant=act_quant, out_dtype=torch.float32)
+    ref = reference.fp8_linear(x, w, s, (16, 32), act_quant=act_quant, out_dtype=torch.float32)
+    assert_gemm_close(out, ref, abs_gemm(x, reference.dequantize_fp8_weight(w, s, (16, 32)), act_quant), 80)
+    assert {c for c in range(40) if torch.isnan(out[:, c]).all()} == nan_cols
+    assert not torch.isnan(out[:, sorted(set(range(40)) - nan_cols)]).any()
+
+
+@triton_interpreted
+def test_fp4_edge_values(impl):
+    g = gen(14)
+    p, s = fp4_weight((20, 96), 32, g, torch.uint8)
+    b = p.view(torch.uint8)
+    b[0, :] = 0x77                                                  # +6, +6
+    b[1, :] = 0xFF                                                  # -6, -6
+    b[2, :] = torch.tensor([0x91, 0x19, 0x88, 0x08], dtype=torch.uint8).repeat(12)   # +-0.5 (subnormal), -0
+    b[4, 16:32] = 0                                                 # a zero group
+    s[5, :] = 0                                                     # 2^-127
+    s[3, 1] = 255                                                   # NaN scale -> column 3
+    x = activations(7, 96, g)
+    x[0, 40:50] = float("nan")                                      # NaN activation -> row 0
+    out = impl.fp4_linear(x, p, s, out_dtype=torch.float32)
+    ref = reference.fp4_linear(x, p, s, out_dtype=torch.float32)
+    assert_gemm_close(out, ref, abs_gemm(x, reference.dequantize_fp4_weight(p, s), False), 96)
+    nan = torch.zeros(7, 20, dtype=torch.bool)
+    nan[0, :] = True
+    nan[:, 3] = True
+    assert torch.equal(torch.isnan(out), nan)
+
+
+def test_overflowing_scale_follows_ieee():
+    x = torch.ones(2, 32)
+    x[1, 0] = -1.0
+    w = torch.full((16, 32), 448.0).to(torch.float8_e4m3fn)
+    s = torch.full((1, 1), 254, dtype=torch.uint8)                  # 448 * 2^127 is +Inf in fp32
+    out = kernels.fp8_linear(x, w, s, (16, 32), out_dtype=torch.float32)
+    assert same(out, reference.fp8_linear(x, w, s, (16, 32), out_dtype=torch.float32))
+    assert bool((out[0] == float("inf")).all()) and bool(torch.isnan(out[1]).all())   # inf - inf is NaN
+
+
+# ---- grouped GEMMs ----------------------------------------------------------------------------------
+
+OFFSETS = [[0, 4, 4, 10], [10, 10, 10, 10], [0, 0, 0, 0], [2, 5, 7, 7]]   # empty experts; unrouted tail rows
+
+
+def _check_grouped(impl, fp4: bool, offsets: list[int], s_rows: int, k: int, act_quant: bool, seed: int,
+                   nan_expert: int | None = None):
+    g = gen(seed)
+    e, n = len(offsets), 24
+    x = activations(s_rows, k, g, torch.bfloat16)
+    offs = torch.tensor(offsets, dtype=torch.int32)
+    if fp4:
+        w, s = fp4_weight((e, n, k), 32, g, torch.uint8)
+        w_deq = lambda: reference.dequantize_fp4_weight(w, s)     # noqa: E731
+        run = lambda f: f.fp4_grouped_mm(x, w, s, offs, act_quant=act_quant, out_dtype=torch.float32)  # noqa: E731
+    else:
+        w, s = fp8_weight((e, n, k), (16, 32), g, torch.uint8)
+        w_deq = lambda: reference.dequantize_fp8_weight(w, s, (16, 32))   # noqa: E731
+        run = lambda f: f.fp8_grouped_mm(x, w, s, offs, (16, 32), act_quant=act_quant,  # noqa: E731
+                                         out_dtype=torch.float32)
+    if nan_expert is not None:
+        s[nan_expert, 0, 0] = 255                                   # NaN block in one expert only
+    out, ref = run(impl), run(reference)
+    assert_gemm_close(out, ref, abs_gemm(x, w_deq(), act_quant, offs), k)
+    assert torch.equal(out[offsets[-1]:], torch.zeros(s_rows - offsets[-1], n))
+    return out
+
+
+@pytest.mark.parametrize("offsets", OFFSETS)
+@pytest.mark.parametrize("fp4", [False, True])
+def test_cpu_grouped_matches_reference(offsets, fp4):
+    _check_grouped(kernels, fp4, offsets, 10, 64, act_quant=True, seed=sum(offsets))
+
+
+@triton_interpreted
+@pytest.mark.parametrize("offsets", [[0, 4, 4, 10], [2, 5, 7, 7]])
+@pytest.mark.parametrize("fp4", [False, True])
+def test_triton_grouped_matches_reference(offsets, fp4):
+    qg = pytest.importorskip("kernels.triton.quant_gemm")
+    _check_grouped(qg, fp4, offsets, 10, 64, act_quant=fp4, seed=sum(offsets))
+
+
+@triton_interpreted
+def test_triton_grouped_many_tiles_per_expert():
+    qg = pytest.importorskip("kernels.triton.quant_gemm")
+    _check_grouped(qg, True, [0, 37, 40], 45, 32, act_quant=False, seed=15)   # 3 M tiles for expert 1
+
+
+@triton_interpreted
+@pytest.mark.parametrize("fp4", [False, True])
+def test_grouped_nan_scale_stays_in_its_expert(impl, fp4):
+    offsets = [3, 3, 9]
+    out = _check_grouped(impl, fp4, offsets, 9, 64, act_quant=False, seed=16, nan_expert=2)
+    cols = 1 if fp4 else 16                                         # FP4: row 0's first group; FP8: block 0
+    assert bool(torch.isnan(out[3:9, :cols]).all())
+    assert not torch.isnan(out[:3]).any() and not torch.isnan(out[3:9, cols:]).any()
+
+
+def test_grouped_zero_rows():
+    p, s = fp4_weight((2, 8, 64), 32, gen(17))
+    out = kernels.fp4_grouped_mm(torch.zeros(0, 64), p, s, torch.zeros(2, dtype=torch.int32))
+    assert out.shape == (0, 8)
+
+
+# ---- argument validation ------------------------------------------------------------------------
+
+def test_invalid_arguments_raise():
+    w, s = fp8_weight((32, 64), (16, 32), gen(18))
+    x = torch.randn(3, 64)
+    with pytest.raises(ValueError, match="scale must have shape"):
+        kernels.fp8_linear(x, w, s, (32, 32))
+    with pytest.raises(ValueError, match="K=48"):
+        kernels.fp8_linear(x[:, :48], w, s, (16, 32))
+    with pytest.raises(ValueError, match="weight must be one of"):
+        kernels.fp8_linear(x, w.float(), s, (16, 32))
+    p, s4 = fp4_weight((2, 8, 64), 32, gen(19))
+    with pytest.raises(ValueError, match="non-decreasing"):
+        kernels.fp4_grouped_mm(x, p, s4, torch.tensor([2, 1], dtype=torch.int32))
+    with pytest.raises(ValueError, match="within"):
+        kernels.fp4_grouped_mm(x, p, s4, torch.tensor([2, 4], dtype=torch.int32))
+    with pytest.raises(ValueError, match="offsets must be"):
+        kernels.fp4_grouped_mm(x, p, s4, torch.tensor([3], dtype=torch.int32))
+    with pytest.raises(ValueError, match="power of two"):
+        kernels.act_quant_fp8(x, 24)
+    assert scale_tensor(torch.tensor([127], dtype=torch.uint8), torch.float32).item() == 1.0
+
+
+# ---- GPU (compiled Triton, bf16 dot) ------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("m", [1, 16, 100])
+def test_gpu_triton_matches_reference(m):
+    g = gen(m)
+    x = activations(m, 512, g, torch.bfloat16)
+    w, s = fp8_weight((384, 512), (128, 128), g)
+    out = kernels.fp8_linear(x.cuda(), w.cuda(), s.cuda(), (128, 128), act_quant=True)
+    ref = reference.fp8_linear(x, w, s, (128, 128), act_quant=True)
+    assert_gemm_close(out.cpu(), ref, abs_gemm(x, reference.dequantize_fp8_weight(w, s, (128, 128)), True), 512)
+    p, s4 = fp4_weight((4, 256, 512), 32, g)
+    offs = torch.tensor([0, m // 3, m // 2, m], dtype=torch.int32)
+    out = kernels.fp4_grouped_mm(x.cuda(), p.cuda(), s4.cuda(), offs.cuda(), act_quant=True)
+    ref = reference.fp4_grouped_mm(x, p, s4, offs, act_quant=True)
+    assert_gemm_close(out.cpu(), ref, abs_gemm(x, reference.dequantize_fp4_weight(p, s4), True, offs), 512)
+    assert same(kernels.act_quant_fp8(x.cuda()).cpu(), reference.act_quant_fp8(x))
