@@ -110,7 +110,8 @@ def sort_by_slot(slots: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, tor
 
 def _check_slots(slots: torch.Tensor, num_slots: int) -> None:
     if slots.numel() and not (0 <= int(slots.min()) and int(slots.max()) < num_slots):
-        raise ValueError(f"physical slot ids must lie in [0, {num_slots}), got [{int(slots.min())}, {int(slots.max())}]")
+        lo, hi = int(slots.min()), int(slots.max())
+        raise ValueError(f"physical slot ids must lie in [0, {num_slots}), got [{lo}, {hi}]")
 
 
 def _exclusive_cumsum(v: torch.Tensor) -> torch.Tensor:

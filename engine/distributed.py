@@ -30,8 +30,8 @@ BACKENDS = ("gloo", "nccl")
 
 
 class RendezvousError(RuntimeError):
-    """The group could not form. `missing` lists the ranks that did not arrive (may be empty when
-    the cause is a disagreement, such as two ranks claiming the same rank number)."""
+    """The group could not form. `missing` lists the ranks that did not arrive (empty when the
+    cause is a disagreement: two processes claiming one rank, or different world sizes/backends)."""
 
     def __init__(self, message: str, missing: list[int]):
         super().__init__(message)
@@ -110,12 +110,12 @@ def init_group(rank: int, world_size: int, master_addr: str, master_port: int, b
     _check_args(rank, world_size, backend, generation, timeout_s)
     deadline = time.monotonic() + timeout_s
     tcp = _connect_store(rank, master_addr, master_port, world_size, timeout_s)
-    store = dist.PrefixStore(f"ringserve/{generation}/", tcp)
+    store = dist.PrefixStore(f"ringserve/{generation}", tcp)  # keys: ringserve/<generation>/<key>
     try:
         _register_and_wait(store, rank, world_size, backend, generation, deadline, f"{master_addr}:{master_port}")
         device = _device(backend, rank, local_rank)
         timeout = timedelta(seconds=collective_timeout_s or timeout_s)
-        dist.init_process_group(backend, store=dist.PrefixStore("pg/", store), rank=rank, world_size=world_size,
+        dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world_size,
                                 timeout=timeout, device_id=device if backend == "nccl" else None)
         cpu_group = dist.new_group(backend="gloo", timeout=timeout)
         dist.barrier(group=cpu_group)  # every rank has finished building both groups
@@ -154,8 +154,11 @@ def _connect_store(rank: int, addr: str, port: int, world_size: int, timeout_s: 
 
 def _register_and_wait(store: dist.Store, rank: int, world_size: int, backend: str, generation: str,
                        deadline: float, where: str) -> None:
-    if store.add(f"claims/{rank}", 1) != 1:
-        raise RendezvousError(f"rank {rank} was claimed twice in generation {generation!r} at {where}", [])
+    # One process per rank and generation; the same process may retry (same host:pid).
+    me_id = f"{socket.gethostname()}:{os.getpid()}"
+    holder = store.compare_set(f"claims/{rank}", "", me_id).decode()
+    if holder != me_id:
+        raise RendezvousError(f"rank {rank} of generation {generation!r} at {where} is already claimed by {holder}", [])
     me = {"pid": os.getpid(), "host": socket.gethostname(), "world_size": world_size, "backend": backend}
     store.set(f"arrived/{rank}", json.dumps(me))
     keys = [f"arrived/{r}" for r in range(world_size)]

@@ -193,7 +193,8 @@ def migrate_expert_weights(tensors: dict[str, torch.Tensor], plan: list[list[Mov
     layer with the same plan (a collective: one all_to_all_single per name, in sorted name order).
     Holds the old and the new copy of one layer at a time."""
     world = len(plan)
-    sends = [[m for m in plan[d] if m.layer == layer and m.from_rank == rank] if d != rank else [] for d in range(world)]
+    sends = [[m for m in plan[d] if m.layer == layer and m.from_rank == rank] if d != rank else []
+             for d in range(world)]
     mine = [m for m in plan[rank] if m.layer == layer]
     recvs = [[m for m in mine if m.from_rank == s] if s != rank else [] for s in range(world)]
     moved = {m.slot - rank * new_slots_per_rank for m in mine}

@@ -49,7 +49,8 @@ def cpu_model() -> str:
 def make_backend(name: str, layout: SlotLayout, args) -> object:
     if name == "padded":
         # capacity_factor × the uniform share of one rank's T·k rows per destination
-        cap = min(args.tokens * args.top_k, math.ceil(args.tokens * args.top_k / layout.num_ranks * args.capacity_factor))
+        rows = args.tokens * args.top_k
+        cap = min(rows, math.ceil(rows / layout.num_ranks * args.capacity_factor))
         return PaddedA2A(layout, capacity=cap)
     return {"torch": TorchA2A, "naive": NaiveAllGather}[name](layout)
 
@@ -133,7 +134,7 @@ def main() -> None:
     parser.add_argument("--inter", type=int, default=256, help="expert intermediate size")
     parser.add_argument("--experts", type=int, default=16)
     parser.add_argument("--top-k", type=int, default=4)
-    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--capacity-factor", type=float, default=2.0, help="PaddedA2A capacity vs the uniform share")

@@ -148,3 +148,29 @@ def test_dead_or_hung_peer_fails_the_others_within_a_bound(spawned):
         assert hung["failed"] and 0.9 <= hung["after_s"] < 3.0, hung  # the collective timeout: 1 s
         assert killed["failed"] and killed["after_s"] < 3.0, killed  # a TCP reset, not the 10 s timeout
         assert res["killed_close_s"] < 2.0 and res["hung_close_s"] < 5.0, res
+
+
+def test_rank_claims_retries_and_disagreement():
+    """Against a store hosted here (standing in for the head, which never registers): a rank may
+    retry its own claim; another process's claim on it, or a different world size, is refused."""
+    import os
+    import socket
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    port = pick_free_port("127.0.0.1")
+    head = dist.TCPStore("127.0.0.1", port, 3, True, timedelta(seconds=10), wait_for_workers=False)
+    for _ in range(2):  # the retry is not "already claimed"
+        with pytest.raises(RendezvousError, match=r"ranks \[0, 2\] of world size 3 did not arrive") as info:
+            init_group(1, 3, "127.0.0.1", port, "gloo", "claims", timeout_s=0.3)
+        assert info.value.missing == [0, 2]
+    head.set("ringserve/claims/claims/2", "elsewhere:1")
+    with pytest.raises(RendezvousError, match="rank 2 of generation 'claims' .* already claimed by elsewhere:1"):
+        init_group(2, 3, "127.0.0.1", port, "gloo", "claims", timeout_s=0.3)
+    peer = {"pid": 1, "host": "h", "world_size": 4, "backend": "gloo"}
+    head.set("ringserve/odd/arrived/0", json.dumps(peer))
+    with pytest.raises(RendezvousError, match=r"ranks \[0\] disagree on world size/backend") as info:
+        init_group(1, 2, "127.0.0.1", port, "gloo", "odd", timeout_s=2)
+    assert info.value.missing == []
+    assert head.get("ringserve/odd/claims/1").decode() == f"{socket.gethostname()}:{os.getpid()}"

@@ -103,7 +103,8 @@ def test_rank_loads_by_hand():
 
 def replay(plan: list[list[eplb.Move]], old: eplb.Placement, new: eplb.Placement) -> list[np.ndarray]:
     """Simulate the moves on per-rank arrays of 'weights' (= the logical id each slot holds)."""
-    held = [old.physical_to_logical[:, r * old.slots_per_rank:(r + 1) * old.slots_per_rank] for r in range(old.num_ranks)]
+    so = old.slots_per_rank
+    held = [old.physical_to_logical[:, r * so:(r + 1) * so] for r in range(old.num_ranks)]
     out = []
     for r in range(new.num_ranks):
         mine = np.full((new.num_layers, new.slots_per_rank), -1)
@@ -125,8 +126,9 @@ def test_migration_plan_moves_exactly_the_changed_slots(redundant_old, redundant
     so, sn = old.slots_per_rank, new.slots_per_rank
     for r in range(ranks):
         moved = {(m.layer, m.slot - r * sn) for m in plan[r]}
+        was, now = old.physical_to_logical, new.physical_to_logical
         changed = {(layer, i) for layer in range(layers) for i in range(sn)
-                   if i >= so or old.physical_to_logical[layer, r * so + i] != new.physical_to_logical[layer, r * sn + i]}
+                   if i >= so or was[layer, r * so + i] != now[layer, r * sn + i]}
         assert moved == changed
         for m in plan[r]:
             e = new.physical_to_logical[m.layer, m.slot]
