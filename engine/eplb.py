@@ -227,7 +227,8 @@ def _exchange(old: torch.Tensor, new: torch.Tensor, sends: list[list[Move]], rec
 
 
 def all_reduce_load(load: torch.Tensor, group: dist.ProcessGroup | None = None) -> np.ndarray:
-    """Sum every rank's [L, E] (or [E]) token counts: the global load EPLB rebalances on."""
+    """Sum every rank's [L, E] (or [E]) token counts: the global load EPLB rebalances on. The sum
+    runs on the CPU, so pass the gloo group (DistGroup.cpu_group) when the main group is NCCL."""
     total = load.detach().to(torch.long).cpu().clone()
     dist.all_reduce(total, group=group)
     return total.numpy()
