@@ -32,6 +32,7 @@ class StepMeta:
     """Per-step metadata shared by every layer. B sequences × q tokens; W the window."""
 
     positions: torch.Tensor                      # [B, q] int32
+    window_writes: torch.Tensor                  # [B, q] int64: window slots of this step's tokens
     window_slots: torch.Tensor                   # [B, q, W−1] int32: history positions start−W+1 .. start−1
     full_table: torch.Tensor                     # [B, F] int32
     rows: dict[int, torch.Tensor] = field(default_factory=dict)        # span → [B, span−1+q] state slots
@@ -49,7 +50,8 @@ class StepMeta:
         slots, valid = batch.sliding_slots(hist)
         # Every history position precedes the step, so it is in each query's window iff > p − W.
         in_window = valid[:, None, :] & (hist[:, None, :] > pos[..., None] - window)
-        meta = cls(pos.int(), torch.where(in_window, slots[:, None, :], -1).int(), batch.full_table.int())
+        writes, _ = batch.sliding_slots(pos)                                  # padding rows: the dummy block
+        meta = cls(pos.int(), writes, torch.where(in_window, slots[:, None, :], -1).int(), batch.full_table.int())
         for m in sorted({r for r in cfg.compress_ratios[: cfg.num_layers] if r}):
             kinds = {k for k, r in zip(cfg.layer_kinds, cfg.compress_ratios) if r == m}
             for span in {2 * m if k == "csa" else m for k in kinds}:
@@ -88,8 +90,7 @@ def fused_attend(attn, q, kv, x, q_res, cos, sin, comp_rows, idx_rows, batch: De
     cfg = attn.cfg
     refs = batch.cache.layer_pools(layer)
     b, t = batch.num_seqs, batch.tokens_per_seq
-    new_slots, _ = batch.sliding_slots(batch.positions.view(b, t))
-    refs["window"].write(new_slots, kv)                     # history reads below never touch these slots
+    refs["window"].write(meta.window_writes, kv)            # history reads below never touch these slots
     entry_pool = entry_fmt = entry_slots = None
     if attn.compressor is not None:
         m = attn.ratio

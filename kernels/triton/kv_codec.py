@@ -268,9 +268,8 @@ def store_record(pool, slot, xe, xo, D: tl.constexpr, HG: tl.constexpr, FMT: tl.
     pair = g * HG + tl.arange(0, HG)[None, :]                     # [NG, HG]
     slot = slot.to(tl.int64)
     if FMT == 0:
-        dtype: tl.constexpr = pool.dtype.element_ty
-        tl.store(pool + slot * D + 2 * pair, cast(xe, dtype))
-        tl.store(pool + slot * D + 2 * pair + 1, cast(xo, dtype))
+        tl.store(pool + slot * D + 2 * pair, cast(xe, pool.dtype.element_ty))
+        tl.store(pool + slot * D + 2 * pair + 1, cast(xo, pool.dtype.element_ty))
     else:
         data, scale = record_offsets(slot, R, REC, DATA, SCALES, FMT == 1)
         amax = _group_amax(xe, xo)                                # [NG]

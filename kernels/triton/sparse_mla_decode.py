@@ -28,14 +28,24 @@ from kernels.triton import kv_codec
 
 @triton.jit
 def _attend_block(q, k, valid, m_i, l_i, acc, scale, PRECISION: tl.constexpr):
-    """One online-softmax step over keys k [N, D] (valid [N]) for q [BH, D]."""
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale          # [BH, N]
+    """One online-softmax step over keys k [N, D] (valid [N]) for q [BH, D].
+
+    PRECISION "bf16" feeds the tensor cores bf16 operands (fp32 accumulation): exact for bf16
+    queries and quantized keys (e4m3 / e2m1·e4m3 / bf16 values all fit bf16), lossy only in p.
+    """
+    if PRECISION == "bf16":
+        s = tl.dot(kv_codec.cast(q, tl.bfloat16), tl.trans(kv_codec.cast(k, tl.bfloat16))) * scale
+    else:
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale      # [BH, N]
     s = tl.where(valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp(m_i - m_new)
     p = tl.exp(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p, k, input_precision=PRECISION)
+    if PRECISION == "bf16":
+        acc = acc * alpha[:, None] + tl.dot(kv_codec.cast(p, tl.bfloat16), kv_codec.cast(k, tl.bfloat16))
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p, k, input_precision=PRECISION)
     return m_new, l_i, acc
 
 
@@ -100,8 +110,9 @@ def sparse_mla_decode(q: torch.Tensor, sink: torch.Tensor, window_pool: torch.Te
                       scale: float | None = None, precision: str = "ieee", block_n: int = 16) -> torch.Tensor:
     """Sink attention of q [B, q, H, D] over window + entry records (+ new_kv) -> fp32 [B, q, H, D].
 
-    ``precision`` is tl.dot's input_precision: "ieee" (exact fp32 products) or "tf32" (faster on
-    GPU, ~1e-3 relative). ``entry_pool`` None (or K = 0) attends the window only.
+    ``precision``: tl.dot's input_precision "ieee" (fp32 products; register-hungry FMA dots on a
+    GPU), "tf32x3" (~fp32 accuracy on tensor cores), "tf32" (~1e-3 relative), or "bf16" (bf16
+    operands, see _attend_block). ``entry_pool`` None (or K = 0) attends the window only.
     """
     _check(q, sink, window_slots, entry_slots, new_kv)
     b, t, h, d = q.shape
@@ -119,7 +130,8 @@ def sparse_mla_decode(q: torch.Tensor, sink: torch.Tensor, window_pool: torch.Te
         q.contiguous(), sink.float().contiguous(), out, window_pool, window_slots.contiguous(), window_slots.shape[-1],
         entry_pool, entry_slots.contiguous(), entry_slots.shape[-1], new, t, h,
         d**-0.5 if scale is None else scale, D=d, BLOCK_H=block_h, BLOCK_N=block_n, HAS_NEW=new_kv is not None,
-        PRECISION=precision, **kv_codec.pool_constexprs(wa, "W_"), **kv_codec.pool_constexprs(ea, "E_"))
+        PRECISION=precision, **kv_codec.pool_constexprs(wa, "W_"), **kv_codec.pool_constexprs(ea, "E_"),
+        num_warps=8 if d >= 256 else 4)  # q, acc and a key tile are each BLOCK_H·D or BLOCK_N·D fp32
     return out
 
 
