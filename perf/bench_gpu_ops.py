@@ -315,7 +315,8 @@ def report(model, cache: KVCache, rows: list[DecodeRow], q: int, counts: dict[st
     print(f"  {'V4-Flash (2 swa + 21 csa + 20 hca)':29s} {totals['static']:8.0f} {totals['fused']:8.0f} "
           f"{totals['static'] / totals['fused']:6.1f}x")
     st, fu = counts["static"], counts["fused"]
-    print(f"\nKV bytes this step (all {cfg.num_layers} layers, {len(rows)} live sequences, bucket-padded static reads):")
+    print(f"\nKV bytes this step (all {cfg.num_layers} layers, {len(rows)} live sequences; static reads are "
+          "bucket-padded):")
     print(f"  live KV held by the batch   {_live_kv(cache, rows):>12,d}")
     print(f"  read   static {st.read['static']:>12,d}   fused {fu.read['fused'] + fu.read['static']:>12,d}")
     print(f"  written static {st.written['step']:>11,d}   fused {fu.written['step'] + fu.written['fused']:>12,d}")
@@ -345,9 +346,11 @@ def main() -> None:
     counts, streams = measure(model, cache, rows, args.q)
     gap = (streams["static"] - streams["fused"]).abs().max().item()
     cfg = model.cfg
-    print(f"CPU: {_cpu_model()} | torch {torch.__version__} | Triton {'interpreter' if os.environ.get('TRITON_INTERPRET') == '1' else 'compiled'}")
+    triton_mode = "interpreter" if os.environ.get("TRITON_INTERPRET") == "1" else "compiled"
+    print(f"CPU: {_cpu_model()} | torch {torch.__version__} | Triton {triton_mode}")
     print(f"tiny model: {cfg.num_layers} layers {list(cfg.layer_kinds)}, H={cfg.num_heads} D={cfg.head_dim}, "
-          f"window {cfg.sliding_window}, ratios {sorted(set(cfg.compress_ratios) - {0})}, index top-k {cfg.index_topk}, "
+          f"window {cfg.sliding_window}, ratios {sorted(set(cfg.compress_ratios) - {0})}, "
+          f"index top-k {cfg.index_topk}, "
           f"Sinkhorn {cfg.hc_sinkhorn_iters}; kv {args.kv_dtype}; B={args.batch} q={args.q}, starts "
           f"{[r.start for r in rows]}")
     print("launches = aten ops that are not views/allocations + kernels.* ops + Triton kernels (1 each); "

@@ -152,7 +152,7 @@ def compressor_step(rows: torch.Tensor, state_pool: torch.Tensor, row_slots: tor
     _check(rows, state_pool, row_slots, entry_slots, norm_weight, cos, sin, ratio, overlap, dtype)
     b, t, two_w = rows.shape
     width, dim, span = _geometry(rows, ratio, overlap)
-    kv_codec._check_dim(dim)
+    kv_codec.check_dim(dim)
     if two_w & (two_w - 1):
         raise ValueError(f"rows width must be a power of two, got {two_w}")
     a = kv_codec.pool_args(entry_pool, entry_fmt, dim)

@@ -15,9 +15,11 @@ Two launches (the score pass parallel over entry blocks, the selection serial pe
    chunk with tl.topk (bitonic) on 64-bit keys (orderable score bits << 31 | (2^31 - 1 - e)), which
    are unique, so the selection is exact and deterministic however chunks fall.
 Cost per query row with n visible entries: reads n·record_bytes (pass 1) + 4n (pass 2), writes 4n;
-Hi·dI·n MACs; pass 2 runs ⌈n / CHUNK⌉ bitonic top-KP networks of CHUNK + KP elements
-(~(CHUNK + KP)·log²(CHUNK + KP)/4 compare-swaps each): ~20 µs per row at n = 8192, k = 512 as a
-rough guide, serial in n, so very long contexts want a split (per-chunk top-k, then a merge).
+Hi·dI·n MACs. Pass 2 is serial in n within one program: per CHUNK (default 1024) entries, a
+bitonic top-KP of the chunk and a top-KP merge of 2·KP keys, each ~(N/2)·log2(N)·(log2(N)+1)/2
+compare-swaps on N keys (N = 1024, k = 512: ~28k per network, ~56k per chunk, so ~0.45M for
+n = 8192). Not timed on a GPU yet; very long contexts want the chunks split across programs
+(per-chunk top-k written out, then one merge).
 """
 from __future__ import annotations
 
@@ -27,8 +29,6 @@ import triton.language as tl
 
 from kernels.triton import kv_codec
 from kernels.triton.sparse_mla_decode import read_records
-
-_LOW31 = 2**31 - 1
 
 
 @triton.jit
@@ -124,7 +124,7 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor, fmt
     """
     _check(q, weights, block_table, lengths, positions, ratio, topk)
     b, t, hi, di = q.shape
-    kv_codec._check_dim(di)
+    kv_codec.check_dim(di)
     a = kv_codec.pool_args(pool, fmt, di)
     e_max = block_table.shape[1] * a.records_per_block if max_entries is None else max_entries
     rows = b * t

@@ -324,7 +324,7 @@ def pool_constexprs(a: PoolArgs, prefix: str = "") -> dict:
             f"{prefix}GROUP": max(a.group, 1)}
 
 
-def _check_dim(dim: int) -> None:
+def check_dim(dim: int) -> None:
     if dim < 16 or dim & (dim - 1):
         raise ValueError(f"Triton KV kernels need a power-of-two dim >= 16, got {dim}")
 
@@ -358,7 +358,7 @@ def _gather_kernel(pool, slots_ptr, out_ptr, M, D: tl.constexpr, BLOCK: tl.const
 
 def quantize_scatter(x: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, fmt: str) -> None:
     """x [N, D] -> records at slots [N] (-1 skips) of ``pool``, in place (kernels.quantize_scatter)."""
-    _check_dim(x.shape[1])
+    check_dim(x.shape[1])
     a = pool_args(pool, fmt, x.shape[1])
     kw = pool_constexprs(a)
     _scatter_kernel[(x.shape[0],)](x.contiguous(), slots.contiguous(), pool, D=x.shape[1],
@@ -367,7 +367,7 @@ def quantize_scatter(x: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, f
 
 def gather_dequantize(pool: torch.Tensor, slots: torch.Tensor, fmt: str, dim: int) -> torch.Tensor:
     """slots [M] -> fp32 [M, dim]; slot -1 reads as a zero row (kernels.gather_dequantize)."""
-    _check_dim(dim)
+    check_dim(dim)
     a = pool_args(pool, fmt, dim)
     out = torch.empty(slots.shape[0], dim, dtype=torch.float32, device=pool.device)
     block = 16

@@ -18,6 +18,8 @@ L2-resident after the first), 4·(W + K + q)·H·D FLOPs.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -27,25 +29,32 @@ from kernels.triton import kv_codec
 
 
 @triton.jit
-def _attend_block(q, k, valid, m_i, l_i, acc, scale, PRECISION: tl.constexpr):
-    """One online-softmax step over keys k [N, D] (valid [N]) for q [BH, D].
-
-    PRECISION "bf16" feeds the tensor cores bf16 operands (fp32 accumulation): exact for bf16
-    queries and quantized keys (e4m3 / e2m1·e4m3 / bf16 values all fit bf16), lossy only in p.
-    """
+def _dot(a, b, PRECISION: tl.constexpr, EMULATE: tl.constexpr):
+    """a @ b with fp32 accumulation. PRECISION "bf16" feeds the tensor cores bf16 operands: exact
+    for bf16 queries and quantized keys (e4m3, e2m1·e4m3 and bf16 values all fit bf16), lossy only
+    in the probabilities. The interpreter multiplies bf16 bit patterns in tl.dot (triton-lang/triton
+    #11584), so under it (EMULATE) the operands are rounded to bf16 values but stay fp32: the same
+    products and accumulation."""
     if PRECISION == "bf16":
-        s = tl.dot(kv_codec.cast(q, tl.bfloat16), tl.trans(kv_codec.cast(k, tl.bfloat16))) * scale
+        if EMULATE:
+            out = tl.dot(kv_codec.round_bf16(a), kv_codec.round_bf16(b), input_precision="ieee")
+        else:
+            out = tl.dot(kv_codec.cast(a, tl.bfloat16), kv_codec.cast(b, tl.bfloat16))
     else:
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale      # [BH, N]
+        out = tl.dot(a, b, input_precision=PRECISION)
+    return out
+
+
+@triton.jit
+def _attend_block(q, k, valid, m_i, l_i, acc, scale, PRECISION: tl.constexpr, EMULATE: tl.constexpr):
+    """One online-softmax step over keys k [N, D] (valid [N]) for q [BH, D]."""
+    s = _dot(q, tl.trans(k), PRECISION, EMULATE) * scale                 # [BH, N]
     s = tl.where(valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp(m_i - m_new)
     p = tl.exp(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    if PRECISION == "bf16":
-        acc = acc * alpha[:, None] + tl.dot(kv_codec.cast(p, tl.bfloat16), kv_codec.cast(k, tl.bfloat16))
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p, k, input_precision=PRECISION)
+    acc = acc * alpha[:, None] + _dot(p, k, PRECISION, EMULATE)
     return m_new, l_i, acc
 
 
@@ -53,7 +62,7 @@ def _attend_block(q, k, valid, m_i, l_i, acc, scale, PRECISION: tl.constexpr):
 def _sparse_mla_decode_kernel(
         q_ptr, sink_ptr, out_ptr, win_pool, win_slots, W, ent_pool, ent_slots, K, new_ptr, Q, H, scale,
         D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HAS_NEW: tl.constexpr,
-        PRECISION: tl.constexpr,
+        PRECISION: tl.constexpr, EMULATE: tl.constexpr,
         W_FMT: tl.constexpr, W_R: tl.constexpr, W_REC: tl.constexpr, W_DATA: tl.constexpr,
         W_SCALES: tl.constexpr, W_NOPE: tl.constexpr, W_GROUP: tl.constexpr,
         E_FMT: tl.constexpr, E_R: tl.constexpr, E_REC: tl.constexpr, E_DATA: tl.constexpr,
@@ -73,13 +82,13 @@ def _sparse_mla_decode_kernel(
         slots = tl.load(win_slots + row.to(tl.int64) * W + idx, mask=idx < W, other=-1)
         valid = slots >= 0
         k = kv_codec.load_keys(win_pool, slots, valid, D, W_FMT, W_R, W_REC, W_DATA, W_SCALES, W_NOPE, W_GROUP)
-        m_i, l_i, acc = _attend_block(q, k, valid, m_i, l_i, acc, scale, PRECISION)
+        m_i, l_i, acc = _attend_block(q, k, valid, m_i, l_i, acc, scale, PRECISION, EMULATE)
     for start in range(0, K, BLOCK_N):
         idx = start + n
         slots = tl.load(ent_slots + row.to(tl.int64) * K + idx, mask=idx < K, other=-1)
         valid = slots >= 0
         k = kv_codec.load_keys(ent_pool, slots, valid, D, E_FMT, E_R, E_REC, E_DATA, E_SCALES, E_NOPE, E_GROUP)
-        m_i, l_i, acc = _attend_block(q, k, valid, m_i, l_i, acc, scale, PRECISION)
+        m_i, l_i, acc = _attend_block(q, k, valid, m_i, l_i, acc, scale, PRECISION, EMULATE)
     if HAS_NEW:
         first = (row // Q) * Q                                               # row of token 0 of this sequence
         t = row - first
@@ -88,7 +97,7 @@ def _sparse_mla_decode_kernel(
             valid = j <= t                                                  # causal within the step
             k = tl.load(new_ptr + (first + j).to(tl.int64)[:, None] * D + cols[None, :], mask=valid[:, None],
                         other=0.0).to(tl.float32)
-            m_i, l_i, acc = _attend_block(q, k, valid, m_i, l_i, acc, scale, PRECISION)
+            m_i, l_i, acc = _attend_block(q, k, valid, m_i, l_i, acc, scale, PRECISION, EMULATE)
     tl.store(out_ptr + q_off, acc / l_i[:, None], mask=hmask[:, None])
 
 
@@ -112,11 +121,12 @@ def sparse_mla_decode(q: torch.Tensor, sink: torch.Tensor, window_pool: torch.Te
 
     ``precision``: tl.dot's input_precision "ieee" (fp32 products; register-hungry FMA dots on a
     GPU), "tf32x3" (~fp32 accuracy on tensor cores), "tf32" (~1e-3 relative), or "bf16" (bf16
-    operands, see _attend_block). ``entry_pool`` None (or K = 0) attends the window only.
+    operands, see _dot; the only mode without register spills at D = 512). ``entry_pool`` None
+    (or K = 0) attends the window only.
     """
     _check(q, sink, window_slots, entry_slots, new_kv)
     b, t, h, d = q.shape
-    kv_codec._check_dim(d)
+    kv_codec.check_dim(d)
     wa = kv_codec.pool_args(window_pool, window_fmt, d)
     if entry_pool is None or entry_slots is None or entry_slots.shape[-1] == 0:
         entry_pool, ea, entry_slots = window_pool, wa, window_slots[..., :0]
@@ -130,7 +140,8 @@ def sparse_mla_decode(q: torch.Tensor, sink: torch.Tensor, window_pool: torch.Te
         q.contiguous(), sink.float().contiguous(), out, window_pool, window_slots.contiguous(), window_slots.shape[-1],
         entry_pool, entry_slots.contiguous(), entry_slots.shape[-1], new, t, h,
         d**-0.5 if scale is None else scale, D=d, BLOCK_H=block_h, BLOCK_N=block_n, HAS_NEW=new_kv is not None,
-        PRECISION=precision, **kv_codec.pool_constexprs(wa, "W_"), **kv_codec.pool_constexprs(ea, "E_"),
+        PRECISION=precision, EMULATE=os.environ.get("TRITON_INTERPRET") == "1",
+        **kv_codec.pool_constexprs(wa, "W_"), **kv_codec.pool_constexprs(ea, "E_"),
         num_warps=8 if d >= 256 else 4)  # q, acc and a key tile are each BLOCK_H·D or BLOCK_N·D fp32
     return out
 

@@ -99,6 +99,16 @@ def test_sparse_mla_decode_matches_reference(window_fmt, entry_fmt, with_new):
     assert same(out, sparse_mla_decode_reference(**case))
 
 
+@pytest.mark.parametrize("precision", ["bf16", "tf32"])
+def test_sparse_mla_decode_tensor_core_precisions(precision):
+    """The GPU modes: bf16 operands (exact for quantized keys; p rounded) stay within bf16 error."""
+    case = _attention_case("fp8_ds_mla", "fp4_kv")
+    case["q"] = case["q"].bfloat16()
+    out = sparse_mla_decode(**case, precision=precision)
+    ref = sparse_mla_decode_reference(**case)
+    assert (out - ref).abs().max().item() < 2e-2 * max(1.0, ref.abs().max().item())
+
+
 def test_sparse_mla_decode_fully_masked_rows_give_zero():
     case = _attention_case("fp8_ds_mla", "fp4_kv")
     case["window_slots"][0, 0] = -1
