@@ -1,0 +1,215 @@
+"""The compressor's per-token decode step, fused: append rows, pool, norm, rope, quantize, write.
+
+Each token of the step appends its row [C | Z + ape] (fp32, 2·width) to the sliding state pool.
+A token at position p with (p + 1) % m == 0 completes entry p // m, which pools the `span` rows
+ending at p: span = m (HCA: C and Z are `d` wide) or 2m (CSA, overlapping: C = [Ca | Cb], Z likewise,
+each 2d wide; the entry pools Ca of the previous window's m rows and Cb of this window's m rows).
+Per channel: softmax of the gates over the span (fp32; rows before position 0 have gate -inf and
+kv 0), Σ kv · softmax; then RMSNorm with weight (in the compute dtype, fp32 statistics), RoPE at
+position m·(p // m) on the last rope_dim channels (interleaved pairs), and the record is written in
+the entry pool's format (fp8_ds_mla / fp4_kv quantized in registers, or raw).
+
+One program per token (grid B·q). The program of a token that completes nothing only copies its
+row. Layouts: rows [B, q, 2·width] fp32; state_pool fp32 [blocks, R, 2·width];
+row_slots [B, span - 1 + q]: state slots of positions start - span + 1 .. start + q - 1 (-1 = the
+position does not exist (< 0); the last q are where this step's rows go, -1 skips the write);
+entry_slots [B, q]: the entry slot a token completes, -1 when it completes none (or is padding);
+cos/sin [B, q, rope_dim / 2] at the token's entry position m·(p // m).
+Cost per completing token: span·2d·4·2 bytes of rows read (kv and gate, each twice: max pass,
+then weighted pass), one record written; other tokens 2·width·4 bytes copied.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import reference
+from kernels.triton import kv_codec
+from kernels.triton.sparse_mla_decode import read_records
+
+_FLOAT_DTYPES = {torch.float32: False, torch.bfloat16: True}
+
+
+@triton.jit
+def _row_values(rows_ptr, state_ptr, slots_ptr, seq, idx, col, S1, Q, ROW: tl.constexpr):
+    """Values at column tile `col` of window row `idx` of sequence `seq` (idx < S1: history)."""
+    # Scalars broadcast to the tile first: masks must have the pointer's shape.
+    idx = tl.zeros_like(col) + idx
+    slot = tl.zeros_like(col) + tl.load(slots_ptr + seq * (S1 + Q) + tl.minimum(idx, S1 + Q - 1))
+    from_pool = idx < S1
+    hist = tl.load(state_ptr + tl.maximum(slot, 0).to(tl.int64) * ROW + col, mask=from_pool & (slot >= 0),
+                   other=0.0)
+    new = tl.load(rows_ptr + (seq * Q + tl.maximum(idx - S1, 0)).to(tl.int64) * ROW + col, mask=idx >= S1,
+                  other=0.0)
+    return tl.where(from_pool, hist, new), from_pool & (slot < 0)
+
+
+@triton.jit
+def _pool_channels(rows_ptr, state_ptr, slots_ptr, seq, j, chan, S1, Q, RATIO, SPAN,
+                   ROW: tl.constexpr, WIDTH: tl.constexpr, DIM: tl.constexpr, OVERLAP: tl.constexpr):
+    """Softmax-gated pooling of output channels `chan` (any tile shape) for token j of `seq`."""
+    gmax = tl.full(chan.shape, float("-inf"), tl.float32)
+    for s in range(0, SPAN):
+        off = chan
+        if OVERLAP:
+            off = tl.where(s >= RATIO, chan + DIM, chan)       # Cb of this window, Ca of the previous one
+        gate, missing = _row_values(rows_ptr, state_ptr, slots_ptr, seq, j + s, WIDTH + off, S1, Q, ROW)
+        gmax = tl.maximum(gmax, tl.where(missing, float("-inf"), gate))
+    total = tl.zeros(chan.shape, tl.float32)
+    acc = tl.zeros(chan.shape, tl.float32)
+    for s in range(0, SPAN):
+        off = chan
+        if OVERLAP:
+            off = tl.where(s >= RATIO, chan + DIM, chan)
+        kv, missing = _row_values(rows_ptr, state_ptr, slots_ptr, seq, j + s, off, S1, Q, ROW)
+        gate, _ = _row_values(rows_ptr, state_ptr, slots_ptr, seq, j + s, WIDTH + off, S1, Q, ROW)
+        e = tl.where(missing, 0.0, tl.exp(gate - gmax))
+        total += e
+        acc += tl.where(missing, 0.0, kv) * e
+    return acc / total
+
+
+@triton.jit
+def _round(x, BF16: tl.constexpr):
+    """The compute dtype's rounding of fp32 values (identity for fp32)."""
+    if BF16:
+        x = kv_codec.round_bf16(x)
+    return x
+
+
+@triton.jit
+def _compressor_step_kernel(
+        rows_ptr, state_ptr, row_slots, entry_pool, entry_slots, norm_ptr, cos_ptr, sin_ptr, Q, S1, RATIO, SPAN,
+        eps, ROW: tl.constexpr, WIDTH: tl.constexpr, DIM: tl.constexpr, ROPE: tl.constexpr,
+        OVERLAP: tl.constexpr, BF16: tl.constexpr, HG: tl.constexpr, FMT: tl.constexpr, R: tl.constexpr,
+        REC: tl.constexpr, DATA: tl.constexpr, SCALES: tl.constexpr, NOPE: tl.constexpr, GROUP: tl.constexpr,
+        NSCALES: tl.constexpr):
+    row = tl.program_id(0)                                        # b·q + j
+    seq = row // Q
+    j = row - seq * Q
+    col = tl.arange(0, ROW)
+    values = tl.load(rows_ptr + row.to(tl.int64) * ROW + col)
+    dst = tl.load(row_slots + seq * (S1 + Q) + S1 + j)
+    if dst >= 0:
+        tl.store(state_ptr + dst.to(tl.int64) * ROW + col, values)
+    slot = tl.load(entry_slots + row)
+    if slot >= 0:
+        NG: tl.constexpr = DIM // (2 * HG)
+        pair = tl.arange(0, NG)[:, None] * HG + tl.arange(0, HG)[None, :]            # [NG, HG]
+        xe = _pool_channels(rows_ptr, state_ptr, row_slots, seq, j, 2 * pair, S1, Q, RATIO, SPAN, ROW, WIDTH,
+                            DIM, OVERLAP)
+        xo = _pool_channels(rows_ptr, state_ptr, row_slots, seq, j, 2 * pair + 1, S1, Q, RATIO, SPAN, ROW, WIDTH,
+                            DIM, OVERLAP)
+        xe = _round(xe, BF16)
+        xo = _round(xo, BF16)
+        inv = tl.math.rsqrt((tl.sum(tl.sum(xe * xe, axis=1), axis=0) + tl.sum(tl.sum(xo * xo, axis=1), axis=0))
+                            / DIM + eps)
+        xe = _round(tl.load(norm_ptr + 2 * pair).to(tl.float32) * (xe * inv), BF16)
+        xo = _round(tl.load(norm_ptr + 2 * pair + 1).to(tl.float32) * (xo * inv), BF16)
+        r = pair - (DIM - ROPE) // 2                              # rope pair index (< 0: not rotated)
+        is_rope = r >= 0
+        c = tl.load(cos_ptr + row.to(tl.int64) * (ROPE // 2) + r, mask=is_rope, other=1.0)
+        s = tl.load(sin_ptr + row.to(tl.int64) * (ROPE // 2) + r, mask=is_rope, other=0.0)
+        ye = tl.where(is_rope, _round(xe * c - xo * s, BF16), xe)
+        yo = tl.where(is_rope, _round(xo * c + xe * s, BF16), xo)
+        kv_codec.store_record(entry_pool, slot, ye, yo, DIM, HG, FMT, R, REC, DATA, SCALES, NOPE, NSCALES)
+
+
+def _geometry(rows: torch.Tensor, ratio: int, overlap: bool) -> tuple[int, int, int]:
+    """(width, dim, span) of a compressor from its rows."""
+    width = rows.shape[-1] // 2
+    dim = width // (2 if overlap else 1)
+    return width, dim, (2 if overlap else 1) * ratio
+
+
+def _check(rows, state_pool, row_slots, entry_slots, norm_weight, cos, sin, ratio, overlap, dtype) -> None:
+    if rows.dim() != 3 or rows.dtype != torch.float32:
+        raise ValueError(f"rows must be fp32 [B, q, 2·width], got {rows.dtype} {tuple(rows.shape)}")
+    b, t, two_w = rows.shape
+    width, dim, span = _geometry(rows, ratio, overlap)
+    if state_pool.dtype != torch.float32 or state_pool.dim() != 3 or state_pool.shape[2] != two_w:
+        raise ValueError(f"state_pool must be fp32 [blocks, R, {two_w}], got {state_pool.dtype} "
+                         f"{tuple(state_pool.shape)}")
+    if row_slots.shape != (b, span - 1 + t) or entry_slots.shape != (b, t):
+        raise ValueError(f"row_slots must be [{b}, {span - 1 + t}] and entry_slots [{b}, {t}], got "
+                         f"{tuple(row_slots.shape)}, {tuple(entry_slots.shape)}")
+    if norm_weight.shape != (dim,) or cos.shape[:2] != (b, t) or cos.shape != sin.shape:
+        raise ValueError(f"norm_weight must be [{dim}], cos/sin [{b}, {t}, rope/2]")
+    if dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"dtype must be fp32 or bf16, got {dtype}")
+
+
+def compressor_step(rows: torch.Tensor, state_pool: torch.Tensor, row_slots: torch.Tensor,
+                    entry_pool: torch.Tensor, entry_fmt: str, entry_slots: torch.Tensor, norm_weight: torch.Tensor,
+                    eps: float, cos: torch.Tensor, sin: torch.Tensor, ratio: int, overlap: bool,
+                    dtype: torch.dtype = torch.float32) -> None:
+    """Write this step's rows into ``state_pool`` and the entries they complete into ``entry_pool``.
+
+    ``dtype`` is the model's compute dtype: the pooled vector, the normed vector and the rotated
+    vector are rounded to it as the engine's torch maths does (rms_norm / apply_rope outputs).
+    """
+    _check(rows, state_pool, row_slots, entry_slots, norm_weight, cos, sin, ratio, overlap, dtype)
+    b, t, two_w = rows.shape
+    width, dim, span = _geometry(rows, ratio, overlap)
+    kv_codec.check_dim(dim)
+    if two_w & (two_w - 1):
+        raise ValueError(f"rows width must be a power of two, got {two_w}")
+    a = kv_codec.pool_args(entry_pool, entry_fmt, dim)
+    _compressor_step_kernel[(b * t,)](
+        rows.contiguous(), state_pool, row_slots.to(torch.int32).contiguous(), entry_pool,
+        entry_slots.to(torch.int32).contiguous(), norm_weight.float().contiguous(), cos.float().contiguous(),
+        sin.float().contiguous(), t, span - 1, ratio, span, eps, ROW=two_w, WIDTH=width, DIM=dim,
+        ROPE=2 * cos.shape[-1], OVERLAP=overlap, BF16=_FLOAT_DTYPES[dtype], HG=kv_codec.pair_group(a, dim),
+        NSCALES=a.num_scales, **kv_codec.pool_constexprs(a))
+
+
+# ---- reference -------------------------------------------------------------------------------
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """engine.layers.rms_norm: fp32 statistics and product, result in x.dtype."""
+    xf = x.float()
+    return (weight.float() * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """engine.layers.apply_rope on [N, D]: interleaved pairs of the last 2·half channels, in fp32."""
+    half = cos.shape[-1]
+    pairs = x[:, -2 * half:].float().unflatten(-1, (half, 2))
+    even, odd = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2).to(x.dtype)
+    return torch.cat((x[:, :-2 * half], rotated), dim=-1)
+
+
+def _write(pool: torch.Tensor, fmt: str, slots: torch.Tensor, values: torch.Tensor) -> None:
+    keep = slots >= 0
+    if fmt in kv_codec.RAW_DTYPES:
+        pool.view(-1, pool.shape[-1])[slots[keep]] = values[keep].to(pool.dtype)
+    else:
+        reference.quantize_scatter(values[keep].float(), pool, slots[keep], fmt)
+
+
+def compressor_step_reference(rows: torch.Tensor, state_pool: torch.Tensor, row_slots: torch.Tensor,
+                              entry_pool: torch.Tensor, entry_fmt: str, entry_slots: torch.Tensor,
+                              norm_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor, ratio: int,
+                              overlap: bool, dtype: torch.dtype = torch.float32) -> None:
+    """The engine's torch maths (attention_decode.compress), over explicit slot tables."""
+    _check(rows, state_pool, row_slots, entry_slots, norm_weight, cos, sin, ratio, overlap, dtype)
+    b, t, two_w = rows.shape
+    width, dim, span = _geometry(rows, ratio, overlap)
+    hist_slots = row_slots[:, : span - 1].long()
+    history = read_records(state_pool, "fp32", hist_slots, two_w)                       # [B, span−1, 2·width]
+    all_rows = torch.cat((history, rows), dim=1)                                         # [B, span−1+q, 2·width]
+    missing = torch.cat((hist_slots < 0, torch.zeros(b, t, dtype=torch.bool)), dim=1)
+    windows = all_rows.unfold(1, span, 1).transpose(-1, -2)                              # [B, q, span, 2·width]
+    miss = missing.unfold(1, span, 1)[..., None]                                         # [B, q, span, 1]
+    kv = windows[..., :width].masked_fill(miss, 0.0)
+    gate = windows[..., width:].masked_fill(miss, float("-inf"))
+    if overlap:
+        kv = torch.cat((kv[..., :ratio, :dim], kv[..., ratio:, dim:]), dim=-2)
+        gate = torch.cat((gate[..., :ratio, :dim], gate[..., ratio:, dim:]), dim=-2)
+    pooled = (kv * torch.softmax(gate, dim=-2)).sum(dim=-2)                             # [B, q, d]
+    normed = _rms_norm(pooled.flatten(0, 1).to(dtype), norm_weight, eps)
+    candidates = _rope(normed, cos.flatten(0, 1).float(), sin.flatten(0, 1).float())    # [B·q, d]
+    _write(entry_pool, entry_fmt, entry_slots.reshape(-1).long(), candidates)
+    _write(state_pool, "fp32", row_slots[:, span - 1:].reshape(-1).long(), rows.reshape(b * t, two_w))

@@ -1,0 +1,172 @@
+"""Lightning-indexer top-k for decode: scores against paged index keys, then an exact top-k.
+
+score(t, e) = Σ_h w[t, h] · ReLU(q[t, h] · k_e) / √dI over the entries a query may see: entry
+e of sequence b is visible to a query at position p when e < min(n_b, (p + 1) // m), n_b the
+sequence's real entry count. The top-k visible entries per query are returned in descending
+score order, exact ties going to the LOWER entry index (the engine's stable sort), -1 past the
+visible count. A NaN score ranks as -inf (below every number, above nothing visible); -0 equals
++0 (so ReLU zeros of either sign tie).
+
+Two launches (the score pass parallel over entry blocks, the selection serial per row):
+1. ``_scores_kernel`` grid (B·q, ⌈E_max / BLOCK_E⌉): keys read straight from the pool (fp4_index
+   dequantized in registers, or raw) through the block table, scores fp32 -> scratch [B·q, E_max];
+   blocks past a row's visible count return at once.
+2. ``_topk_kernel`` grid (B·q,): a running top-KP (KP = next power of two >= k) merged chunk by
+   chunk with tl.topk (bitonic) on 64-bit keys (orderable score bits << 31 | (2^31 - 1 - e)), which
+   are unique, so the selection is exact and deterministic however chunks fall.
+Cost per query row with n visible entries: reads n·record_bytes (pass 1) + 4n (pass 2), writes 4n;
+Hi·dI·n MACs. Pass 2 is serial in n within one program: per CHUNK (default 1024) entries, a
+bitonic top-KP of the chunk and a top-KP merge of 2·KP keys, each ~(N/2)·log2(N)·(log2(N)+1)/2
+compare-swaps on N keys (N = 1024, k = 512: ~28k per network, ~56k per chunk, so ~0.45M for
+n = 8192). Not timed on a GPU yet; very long contexts want the chunks split across programs
+(per-chunk top-k written out, then one merge).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton import kv_codec
+from kernels.triton.sparse_mla_decode import read_records
+
+
+@triton.jit
+def _visible_count(len_ptr, pos_ptr, row, Q, RATIO):
+    """min(n_b, (p + 1) // m) for flat query row b·q + t."""
+    n = tl.load(len_ptr + row // Q)
+    p = tl.load(pos_ptr + row)
+    return tl.minimum(n, tl.maximum(p + 1, 0) // RATIO)
+
+
+@triton.jit
+def _scores_kernel(q_ptr, w_ptr, pool, table_ptr, len_ptr, pos_ptr, scores_ptr, Q, HI, F, E_MAX, RATIO, scale,
+                   DI: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_E: tl.constexpr, PRECISION: tl.constexpr,
+                   FMT: tl.constexpr, R: tl.constexpr, REC: tl.constexpr, DATA: tl.constexpr,
+                   SCALES: tl.constexpr, NOPE: tl.constexpr, GROUP: tl.constexpr):
+    row = tl.program_id(0)
+    e0 = tl.program_id(1) * BLOCK_E
+    limit = _visible_count(len_ptr, pos_ptr, row, Q, RATIO)
+    if e0 < limit:
+        e = e0 + tl.arange(0, BLOCK_E)
+        valid = e < limit
+        block = tl.load(table_ptr + (row // Q).to(tl.int64) * F + e // R, mask=valid, other=0)
+        slots = block.to(tl.int64) * R + e % R
+        keys = kv_codec.load_keys(pool, slots, valid, DI, FMT, R, REC, DATA, SCALES, NOPE, GROUP)  # [BE, dI]
+        h = tl.arange(0, BLOCK_HI)
+        q = tl.load(q_ptr + (row.to(tl.int64) * HI + h)[:, None] * DI + tl.arange(0, DI)[None, :],
+                    mask=(h < HI)[:, None], other=0.0).to(tl.float32)              # [BHI, dI]
+        w = tl.load(w_ptr + row.to(tl.int64) * HI + h, mask=h < HI, other=0.0).to(tl.float32)
+        dots = tl.dot(q, tl.trans(keys), input_precision=PRECISION)                 # [BHI, BE]
+        s = tl.where(dots != dots, dots, tl.maximum(dots, 0.0)) * scale          # ReLU keeping NaN
+        score = tl.sum(s * w[:, None], axis=0)                                      # [BE]
+        tl.store(scores_ptr + row.to(tl.int64) * E_MAX + e, score, mask=valid)
+
+
+@triton.jit
+def _order_keys(score, e, valid):
+    """Unique int64 keys, larger = ranked first; -1 for entries not visible."""
+    score = tl.where(score != score, float("-inf"), score)
+    score = tl.where(score == 0.0, 0.0, score)                  # -0 -> +0
+    bits = score.to(tl.int32, bitcast=True)
+    ordered = tl.where(bits < 0, ~bits, bits | -2147483648)     # float order as unsigned order
+    key = ((ordered.to(tl.int64) & 0xFFFFFFFF) << 31) | (2147483647 - e).to(tl.int64)
+    return tl.where(valid, key, -1)
+
+
+@triton.jit
+def _topk_kernel(scores_ptr, len_ptr, pos_ptr, table_ptr, idx_ptr, slot_ptr, Q, F, E_MAX, RATIO, K,
+                 KP: tl.constexpr, CHUNK: tl.constexpr, R: tl.constexpr):
+    row = tl.program_id(0)
+    limit = _visible_count(len_ptr, pos_ptr, row, Q, RATIO)
+    best = tl.full([KP], -1, tl.int64)
+    c = tl.arange(0, CHUNK)
+    for start in range(0, limit, CHUNK):
+        e = start + c
+        valid = e < limit
+        score = tl.load(scores_ptr + row.to(tl.int64) * E_MAX + e, mask=valid, other=0.0)
+        keys = _order_keys(score, e, valid)
+        if CHUNK > KP:
+            keys = tl.topk(keys, KP)
+        best = tl.topk(tl.reshape(tl.join(best, keys), [2 * KP]), KP)
+    e = tl.where(best >= 0, 2147483647 - (best & 2147483647), -1).to(tl.int32)     # [KP], best first
+    block = tl.load(table_ptr + (row // Q).to(tl.int64) * F + tl.maximum(e, 0) // R, mask=e >= 0, other=0)
+    slot = tl.where(e >= 0, block * R + tl.maximum(e, 0) % R, -1)
+    j = tl.arange(0, KP)
+    tl.store(idx_ptr + row.to(tl.int64) * K + j, e, mask=j < K)
+    tl.store(slot_ptr + row.to(tl.int64) * K + j, slot.to(tl.int32), mask=j < K)
+
+
+def _check(q: torch.Tensor, weights: torch.Tensor, block_table: torch.Tensor, lengths: torch.Tensor,
+           positions: torch.Tensor, ratio: int, topk: int) -> None:
+    b, t, hi, _ = q.shape
+    if weights.shape != (b, t, hi):
+        raise ValueError(f"weights must be [{b}, {t}, {hi}], got {tuple(weights.shape)}")
+    if block_table.dim() != 2 or block_table.shape[0] != b:
+        raise ValueError(f"block_table must be [{b}, F], got {tuple(block_table.shape)}")
+    if lengths.shape != (b,) or positions.shape != (b, t):
+        raise ValueError(f"lengths must be [{b}] and positions [{b}, {t}], got {tuple(lengths.shape)}, "
+                         f"{tuple(positions.shape)}")
+    if ratio < 1 or topk < 1:
+        raise ValueError(f"ratio and topk must be positive, got {ratio}, {topk}")
+
+
+def indexer_topk(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor, fmt: str, block_table: torch.Tensor,
+                 lengths: torch.Tensor, positions: torch.Tensor, ratio: int, topk: int,
+                 max_entries: int | None = None, precision: str = "ieee", chunk: int = 1024,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k entries per decode query -> (entry indices, slots), int32 [B, q, topk], -1 padded.
+
+    q [B, q, Hi, dI] (rope applied), weights [B, q, Hi] (w·Hi^-0.5, as Indexer.queries), pool the
+    index-key pool [blocks, R, record] of ``fmt`` (fp4_index or raw), block_table [B, F] full-pool
+    block ids (entry e lives in block table[b, e // R] at offset e % R), lengths [B] entries written,
+    positions [B, q]. max_entries (default F·R) bounds the entry axis (the scratch width).
+    """
+    _check(q, weights, block_table, lengths, positions, ratio, topk)
+    b, t, hi, di = q.shape
+    kv_codec.check_dim(di)
+    a = kv_codec.pool_args(pool, fmt, di)
+    e_max = block_table.shape[1] * a.records_per_block if max_entries is None else max_entries
+    rows = b * t
+    dev = q.device
+    table = block_table.to(torch.int32).contiguous()
+    lens = lengths.to(torch.int32).contiguous()
+    pos = positions.to(torch.int32).contiguous()
+    scores = torch.empty(rows, max(e_max, 1), dtype=torch.float32, device=dev)
+    block_e = 16
+    block_hi = max(16, triton.next_power_of_2(hi))
+    _scores_kernel[(rows, triton.cdiv(max(e_max, 1), block_e))](
+        q.contiguous(), weights.contiguous(), pool, table, lens, pos, scores, t, hi, table.shape[1], e_max, ratio,
+        di**-0.5, DI=di, BLOCK_HI=block_hi, BLOCK_E=block_e, PRECISION=precision, **kv_codec.pool_constexprs(a))
+    idx = torch.empty(b, t, topk, dtype=torch.int32, device=dev)
+    slots = torch.empty_like(idx)
+    kp = triton.next_power_of_2(topk)
+    chunk = max(kp, min(triton.next_power_of_2(chunk), triton.next_power_of_2(max(e_max, 1))))
+    _topk_kernel[(rows,)](scores, lens, pos, table, idx, slots, t, table.shape[1], e_max, ratio, topk,
+                          KP=kp, CHUNK=chunk, R=a.records_per_block)
+    return idx, slots
+
+
+def indexer_topk_reference(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor, fmt: str,
+                           block_table: torch.Tensor, lengths: torch.Tensor, positions: torch.Tensor, ratio: int,
+                           topk: int, max_entries: int | None = None, precision: str = "ieee", chunk: int = 1024,
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch scores over every addressable entry, masked, then a stable descending sort."""
+    _check(q, weights, block_table, lengths, positions, ratio, topk)
+    b, t, hi, di = q.shape
+    per_block = pool.shape[1]
+    e_max = block_table.shape[1] * per_block if max_entries is None else max_entries
+    e = torch.arange(e_max)
+    entry_slots = block_table.long()[:, e // per_block] * per_block + e % per_block      # [B, E]
+    keys = read_records(pool, fmt, entry_slots, di)                                     # [B, E, dI]
+    s = torch.einsum("bqhd,bed->bqhe", q.float(), keys).relu() * di**-0.5
+    scores = (s * weights.float()[..., None]).sum(dim=2)                                # [B, q, E]
+    limit = torch.minimum(lengths.long()[:, None], (positions.long() + 1).clamp(min=0) // ratio)  # [B, q]
+    visible = e[None, None, :] < limit[..., None]
+    scores = torch.where(torch.isnan(scores) | ~visible, float("-inf"), scores)
+    # Invisible entries all sit above `limit`, so the stable sort ranks visible -inf ones first.
+    order = scores.sort(dim=-1, descending=True, stable=True).indices[..., :topk]       # [B, q, ≤k]
+    picked = torch.where(order < limit[..., None], order, -1)
+    picked = torch.nn.functional.pad(picked, (0, topk - picked.shape[-1]), value=-1)
+    slot = torch.where(picked >= 0, entry_slots.gather(1, picked.clamp(min=0).flatten(1)).view_as(picked), -1)
+    return picked.int(), slot.int()
