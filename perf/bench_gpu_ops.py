@@ -1,7 +1,7 @@
 """Launches per layer per decode step: today's static torch path vs the fused Triton path (CPU count).
 
 Counts what a GPU would launch for one static-shape decode step, without a GPU:
-  (a) `DecodeGraphs.run` (static_decode, what CUDA graphs capture today), and
+  (a) `StaticDecodeBackend` (static_decode, what CUDA graphs capture today), and
   (b) `perf.fused_decode.fused_forward` (mhc_mix, compressor_step, indexer_topk, sparse_mla_decode
       plus the torch ops kept around them), on an identical copy of the KV pools.
 A TorchDispatchMode sees every aten op; each counts as one launch except views and allocations
@@ -35,9 +35,10 @@ if not torch.cuda.is_available():
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kernels  # noqa: E402
-from engine.attention import SeqSlice  # noqa: E402
+from engine.attention import SeqSlice, SequenceContext  # noqa: E402
 from engine.checkpoint import preset_config, random_state, write_checkpoint  # noqa: E402
-from engine.cuda_graphs import DecodeGraphs, DecodeRow  # noqa: E402
+from engine.attention_backend import StepSeq  # noqa: E402
+from engine.cuda_graphs import StaticDecodeBackend  # noqa: E402
 from engine.decode_batch import DecodeBatch  # noqa: E402
 from engine.kv_cache import KVCache  # noqa: E402
 from engine.weights import load_model  # noqa: E402
@@ -224,8 +225,8 @@ def prefilled(model, kv_dtype: str, batch: int, prompt: int, q: int):
         seq = cache.new_sequence()
         assert cache.allocate(seq, 0, n + q)
         model(torch.randint(2, 500, (n,), generator=torch.Generator().manual_seed(i)), torch.arange(n),
-              [SeqSlice(seq, 0, 0, n)])
-        rows.append(DecodeRow(seq, n, [7 + j for j in range(q)]))
+              SequenceContext([SeqSlice(seq, 0, 0, n)]))
+        rows.append(StepSeq(seq, n, [7 + j for j in range(q)]))
     return cache, rows
 
 
@@ -237,13 +238,13 @@ def _kernel_types() -> list[type]:
 
 
 @torch.inference_mode()
-def measure(model, cache: KVCache, rows: list[DecodeRow], q: int,
+def measure(model, cache: KVCache, rows: list[StepSeq], q: int,
             ) -> tuple[dict[str, LaunchCounter], dict[str, torch.Tensor]]:
     """Count one static step and one fused step from the same pool contents; also return each
     path's output streams of the live rows (they must agree)."""
     pools = [t for p in cache.pools.values() for t in p.tensors.values()]
     saved = [t.clone() for t in pools]
-    graphs = DecodeGraphs(model, cache, (len(rows),), (q,), max(r.start for r in rows) + 4 * q + 64, capture=False)
+    graphs = StaticDecodeBackend(model, cache, (len(rows),), (q,), max(r.start for r in rows) + 4 * q + 64, capture=False)
     key = graphs.shape_for(len(rows), q, max(r.start + q for r in rows))
     _, size, _, bucket = key
     out, streams = {}, {}
@@ -274,7 +275,7 @@ def measure(model, cache: KVCache, rows: list[DecodeRow], q: int,
 
 # ---- report ------------------------------------------------------------------------------------
 
-def _live_kv(cache: KVCache, rows: list[DecodeRow]) -> int:
+def _live_kv(cache: KVCache, rows: list[StepSeq]) -> int:
     """Bytes of KV the live sequences hold in the pools this step reads (all layers)."""
     total = 0
     for pool in cache.pools.values():
@@ -287,7 +288,7 @@ def _live_kv(cache: KVCache, rows: list[DecodeRow]) -> int:
     return total
 
 
-def report(model, cache: KVCache, rows: list[DecodeRow], q: int, counts: dict[str, LaunchCounter]) -> None:
+def report(model, cache: KVCache, rows: list[StepSeq], q: int, counts: dict[str, LaunchCounter]) -> None:
     cfg = model.cfg
     kinds = list(cfg.layer_kinds)
     parts = [p for p, _ in PARTS] + ["other"]

@@ -334,7 +334,8 @@ def test_compressor_reference_equals_the_engine_step():
     batch = DecodeBatch.allocate(cache, 3, 2, full_blocks=3, sliding_blocks=3)
     batch.fill([([5, 6], 2, [1, 2], [1, 2], 0), ([7, 8], 14, [3, 4], [3, 5], 0)])  # row 2: padding
     g = torch.Generator().manual_seed(0)
-    comp = SimpleNamespace(ratio=m, out_dim=d, overlap=True, norm=1 + 0.1 * torch.randn(d, generator=g), eps=1e-6)
+    comp = SimpleNamespace(ratio=m, out_dim=d, overlap=True, span=2 * m, norm=1 + 0.1 * torch.randn(d, generator=g),
+                           eps=1e-6)
     state = Pool(PoolSpec("state", "sliding", "fp32", 4 * d, 1, 2 * m, (0,)), 6, block, "cpu")
     entries = Pool(PoolSpec("c4", "full", "fp8_ds_mla", d, m, 0, (0,)), 6, block, "cpu")
     state.tensors[0].copy_(torch.randn(state.tensors[0].shape, generator=g))

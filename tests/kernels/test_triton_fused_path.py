@@ -1,7 +1,7 @@
 """The fused kernels composed into a decode step (perf/fused_decode.py) equal the engine's static path.
 
 Decode (q = 1) and verify-shaped (q = 2) steps of a tiny random model, run once through
-`DecodeGraphs` (today's torch static path) and once through `fused_forward` on an identical copy
+`StaticDecodeBackend` (today's torch static path) and once through `fused_forward` on an identical copy
 of the KV pools: the output streams and every pool block a live sequence owns must agree. The
 index top-k is below the entry count, so CSA layers take the sparse (indexer) branch. Under
 --kv-dtype fp4 (fp8_ds_mla window, fp4_kv entries, fp4_index keys) the two paths' activations
@@ -12,8 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import SeqSlice
-from engine.cuda_graphs import DecodeGraphs, DecodeRow
+from engine.attention import SeqSlice, SequenceContext
+from engine.attention_backend import StepSeq
+from engine.cuda_graphs import StaticDecodeBackend
 from engine.decode_batch import DecodeBatch
 from engine.kv_cache import KVCache
 from engine.weights import load_model
@@ -40,8 +41,8 @@ def _prefilled(model, kv_dtype: str, q: int):
         seq = cache.new_sequence()
         assert cache.allocate(seq, 0, n + q)
         prompt = torch.randint(2, 500, (n,), generator=torch.Generator().manual_seed(i))
-        model(prompt, torch.arange(n), [SeqSlice(seq, 0, 0, n)])
-        rows.append(DecodeRow(seq, n, [7 + j for j in range(q)]))
+        model(prompt, torch.arange(n), SequenceContext([SeqSlice(seq, 0, 0, n)]))
+        rows.append(StepSeq(seq, n, [7 + j for j in range(q)]))
     return cache, rows
 
 
@@ -60,9 +61,9 @@ def test_fused_step_equals_the_static_path(models, kv_dtype, q):
     model = models[kv_dtype]
     cache, rows = _prefilled(model, kv_dtype, q)
     before = _pools(cache)
-    graphs = DecodeGraphs(model, cache, (4,), (q,), 256, capture=False)
+    graphs = StaticDecodeBackend(model, cache, (4,), (q,), 256, capture=False)
     key = graphs.shape_for(len(rows), q, max(r.start + q for r in rows))
-    streams, _ = graphs.run(key, rows)
+    streams, _ = graphs.prepare(rows).run(model, None)
     static = streams.clone()
     after_static = _pools(cache)
 
