@@ -82,6 +82,9 @@ class DeepseekV4(nn.Module):
         self.mtp: nn.ModuleList = nn.ModuleList()  # filled by engine.mtp when the checkpoint has MTP weights
         self.rope_main = RotaryTable(cfg.rope_dim, cfg.rope_theta, None)
         self.rope_compress = RotaryTable(cfg.rope_dim, cfg.compress_rope_theta, cfg.yarn)
+        # Layers run so far (eagerly; a replayed CUDA graph runs no Python). The worker's
+        # heartbeats carry it so the watchdog tells a slow step from a stuck one.
+        self.layers_run = 0
 
     # ---- state -----------------------------------------------------------------------------
     @property
@@ -112,6 +115,7 @@ class DeepseekV4(nn.Module):
         streams = self.embed[token_ids].unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         for i, block in enumerate(self.layers):
             streams = block(streams, token_ids, positions, rope, ctx, i)
+            self.layers_run += 1
         return streams
 
     def logits(self, streams: torch.Tensor) -> torch.Tensor:

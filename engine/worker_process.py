@@ -1,10 +1,12 @@
 """Entry point of a worker process: one engine, fed and drained through shared-memory rings.
 
-The server creates (and owns) three rings per worker and starts this process with their names:
+The server creates (and owns) four rings per worker and starts this process with their names:
 requests (Submit), control (Abort, Shutdown: a path that submissions can never fill, so a
-cancellation is never starved) and outputs (WorkerReady, StepOutputs, Heartbeat, Shutdown). The
-worker attaches, loads the model, warms up, announces `WorkerReady`, then runs the asyncio
-worker. Every message is codec bytes; nothing is pickled.
+cancellation is never starved), outputs (WorkerReady, StepOutputs, Shutdown) and status
+(Heartbeat, written by a thread of its own every 250 ms, so heartbeats keep coming during a
+long step and stop only when the process does). The worker attaches, loads the model, warms
+up, announces `WorkerReady`, then runs the asyncio worker. Every message is codec bytes; nothing
+is pickled.
 
 A ring that fails (a corrupt slot, a peer that died, a message that does not decode) is never
 papered over: the worker reports the cause in a `Shutdown` and exits non-zero, so the server
@@ -16,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import time
 
 import torch
@@ -64,13 +67,15 @@ class Outbox:
 
 
 def worker_main(rank: int, model_dir: str, config_json: str, request_ring: str, control_ring: str,
-                output_ring: str, num_threads: int, device: str = "cpu") -> None:
+                output_ring: str, status_ring: str, num_threads: int, device: str = "cpu") -> None:
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(num_threads)
     writer = RingWriter.attach(output_ring)
     requests = RingReader.attach(request_ring)
     control = RingReader.attach(control_ring)
+    status = RingWriter.attach(status_ring)
     outbox = Outbox(writer)
+    heartbeat: HeartbeatThread | None = None
     try:
         config = EngineConfig.from_json(config_json)
         model = load_model(model_dir, dtype=default_dtype(config, device), device=device, progress=False,
@@ -78,11 +83,13 @@ def worker_main(rank: int, model_dir: str, config_json: str, request_ring: str, 
         engine = Engine(model, config)
         worker = Worker(engine, outbox.send)
         worker.warm_up()
+        heartbeat = HeartbeatThread(rank, worker, status)
+        heartbeat.start()
         outbox.send(WorkerReady(rank, os.getpid(), engine.cache.manager.full.num_blocks, engine.config.block_size,
                                 engine.max_model_len, device))
         loop = new_event_loop()
         try:
-            loop.run_until_complete(_serve(rank, worker, requests, control, outbox))
+            loop.run_until_complete(_serve(rank, worker, requests, control, outbox, heartbeat))
         finally:
             loop.close()
     except Exception as exc:  # report, then exit non-zero: the server fails this rank's requests
@@ -94,16 +101,20 @@ def worker_main(rank: int, model_dir: str, config_json: str, request_ring: str, 
             pass
         raise SystemExit(1)
     finally:
+        if heartbeat is not None:
+            heartbeat.stop()
         requests.close()
         control.close()
         writer.close()
+        status.close()
 
 
-async def _serve(rank: int, worker: Worker, requests: RingReader, control: RingReader, outbox: Outbox) -> None:
+async def _serve(rank: int, worker: Worker, requests: RingReader, control: RingReader, outbox: Outbox,
+                 heartbeat: "HeartbeatThread") -> None:
     failure: list[BaseException] = []
     tasks = [asyncio.ensure_future(_guard(coro, worker, failure)) for coro in
              (_drain(worker, requests, "request ring"), _drain(worker, control, "control ring"),
-              _heartbeats(rank, worker, outbox))]
+              _watch_heartbeats(heartbeat))]
     try:
         await worker.run()
     finally:
@@ -144,13 +155,43 @@ async def _drain(worker: Worker, reader: RingReader, name: str) -> None:
             return
 
 
-async def _heartbeats(rank: int, worker: Worker, outbox: Outbox) -> None:
-    engine = worker.engine
+async def _watch_heartbeats(heartbeat: "HeartbeatThread") -> None:
+    """Fail the worker if its heartbeat thread died (its status ring failed)."""
     while True:
-        sched = engine.scheduler
-        st = engine.stats
-        outbox.send(Heartbeat(rank, worker.stats.steps, worker.step_started_at, len(sched.running), len(sched.waiting),
-                              engine.cache.manager.full.num_used, engine.cache.manager.full.num_blocks, time.time(),
-                              sched.num_preemptions, st.spec_drafts, st.spec_draft_tokens,
-                              list(st.spec_accepted_per_position), worker.stats.max_loop_pause_s))
-        await asyncio.sleep(HEARTBEAT_S)
+        await asyncio.sleep(1.0)
+        if heartbeat.failure is not None:
+            raise heartbeat.failure
+
+
+class HeartbeatThread(threading.Thread):
+    """Sends a Heartbeat to the status ring every `interval_s`, whatever the worker's loop is
+    doing (torch releases the GIL in its ops, so a long step does not silence it). It reads the
+    engine's counters without locks: each is one int, and a heartbeat a step stale is fine."""
+
+    def __init__(self, rank: int, worker: Worker, ring: RingWriter, interval_s: float = HEARTBEAT_S):
+        super().__init__(name=f"ringserve-heartbeat-{rank}", daemon=True)
+        self.rank, self.worker, self.ring, self.interval_s = rank, worker, ring, interval_s
+        self.failure: BaseException | None = None
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.is_set():
+            try:
+                self.ring.put(encode(self.beat()), timeout=10.0)
+            except IpcError as exc:
+                self.failure = RingFailure(f"status ring: {type(exc).__name__}: {exc}")
+                return
+            self._stop_event.wait(self.interval_s)
+
+    def beat(self) -> Heartbeat:
+        worker, engine = self.worker, self.worker.engine
+        sched, st, blocks = engine.scheduler, engine.stats, engine.cache.manager.full
+        return Heartbeat(self.rank, worker.stats.steps, worker.step_started_at, engine.model.layers_run,
+                         len(sched.running), len(sched.waiting), blocks.num_used, blocks.num_blocks, time.time(),
+                         sched.num_preemptions, st.spec_drafts, st.spec_draft_tokens,
+                         list(st.spec_accepted_per_position), worker.stats.max_loop_pause_s)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        if self.is_alive():
+            self.join(timeout=2.0)

@@ -74,7 +74,19 @@ def check(value: T) -> T:
         field, message = _locate(cls, str(exc))
         raise InvalidField(field, message) from None
     except (OverflowError, UnicodeEncodeError, TypeError) as exc:
-        raise InvalidField("", f"cannot be represented: {exc}") from None
+        raise InvalidField(_unencodable(value), f"cannot be represented: {exc}") from None
+
+
+def _unencodable(value: Any, prefix: str = "") -> str:
+    """The dotted name of the first field of a Struct that msgpack cannot hold ('' if none)."""
+    for name in getattr(value, "__struct_fields__", ()):
+        field = getattr(value, name)
+        try:
+            _ENCODER.encode(field)
+        except (OverflowError, UnicodeEncodeError, TypeError):
+            inner = _unencodable(field, f"{prefix}{name}.")
+            return inner or f"{prefix}{name}"
+    return ""
 
 
 def _locate(cls: type, text: str) -> tuple[str, str]:

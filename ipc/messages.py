@@ -122,12 +122,15 @@ class WorkerReady(Struct, frozen=True, array_like=True, tag=5):
 
 
 class Heartbeat(Struct, frozen=True, array_like=True, tag=6):
-    """Worker liveness and load, sent every 250 ms; times are time.time() seconds. Counters are
+    """Worker liveness and load, sent every 250 ms by a thread of its own (so a long step keeps
+    them coming); times are time.time() seconds. `progress` grows with every layer the model
+    runs, so a step that is slow but moving is told apart from one that is stuck. Counters are
     cumulative since the worker started (the server turns them into metrics)."""
 
     rank: Count
     step: Count
     step_started_at: Seconds  # 0 = idle
+    progress: Count
     num_running: Count
     num_waiting: Count
     kv_blocks_used: Count

@@ -1,4 +1,5 @@
-"""IPC benchmark: ShmRing vs multiprocessing.Pipe vs ZeroMQ (ipc://), plus memcpy and idle CPU.
+"""IPC benchmark: ShmRing vs multiprocessing.Pipe vs ZeroMQ (ipc://), plus memcpy, idle CPU and
+the message codec (encode + decode of the messages a request and a step send).
 
 One-way latency is half the round trip of a ping-pong with a spawned echo process; throughput is a
 one-way stream of 1 MiB messages. Run: ``python perf/bench_ipc.py [--quick] [--json OUT]``.
@@ -20,6 +21,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from ipc import codec  # noqa: E402
+from ipc.messages import Finished, SamplingParams, StepOutputs, Submit, TokenDelta  # noqa: E402
 from ipc.ring import RingConfig, RingReader, RingWriter  # noqa: E402
 
 MIB = 1 << 20
@@ -213,6 +216,33 @@ def idle_cpu(ctx, seconds: float) -> float:
     return 100 * frac
 
 
+def codec_messages() -> dict[str, object]:
+    delta = TokenDelta(7, [1234])
+    top5 = TokenDelta(7, [1, 2, 3, 4], [-0.1] * 4, [[(i, -0.5)] * 5 for i in range(4)])
+    return {
+        "Submit, 1k-token prompt": Submit(7, list(range(1000)), SamplingParams(max_tokens=64, seed=3)),
+        "StepOutputs, 1 delta of 1 token": StepOutputs([delta], []),
+        "StepOutputs, 4 tokens + top-5 logprobs": StepOutputs([top5], []),
+        "StepOutputs, 64 deltas + 8 finishes": StepOutputs([TokenDelta(i, [i]) for i in range(64)],
+                                                           [Finished(i, "stop", 100, 20) for i in range(8)]),
+    }
+
+
+def codec_us(msg, reps: int) -> tuple[float, float]:
+    """(encode µs, decode µs), best of 5 rounds."""
+    raw = codec.encode(msg)
+    enc = min(_timed(lambda: codec.encode(msg), reps) for _ in range(5))
+    dec = min(_timed(lambda: codec.decode(raw), reps) for _ in range(5))
+    return enc, dec
+
+
+def _timed(fn, reps: int) -> float:
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t) / reps * 1e6
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer samples")
@@ -239,10 +269,23 @@ def main() -> None:
     res["memcpy_256MB_GBps"] = med([memcpy_gbs(256 * MIB, 4) for _ in range(args.runs)])
     res["idle_reader_cpu_pct"] = idle_cpu(ctx, 3.0 if args.quick else 10.0)
     report(res)
+    print(f"\n{'codec (msgspec msgpack)':<40}{'bytes':>8}{'encode us':>11}{'decode us':>11}")
+    for name, msg in codec_messages().items():
+        enc, dec = codec_us(msg, 2000 if args.quick else 20000)
+        res[f"codec_{name}_us"] = enc + dec
+        print(f"{name:<40}{len(codec.encode(msg)):>8}{enc:>11.2f}{dec:>11.2f}")
     if args.json:
         res.update(host=platform.node(), cpus=os.cpu_count() or 0, python=platform.python_version())
         with open(args.json, "a") as f:
             f.write(json.dumps(res) + "\n")
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown CPU"
 
 
 def progress(line: str) -> None:
@@ -250,6 +293,7 @@ def progress(line: str) -> None:
 
 
 def report(r: dict[str, float]) -> None:
+    print(f"ringserve IPC, {cpu_model()}, {os.cpu_count()} CPUs")
     print(f"{'one-way latency (us)':<28}{'ring':>10}{'Pipe':>10}{'ZeroMQ':>10}{'ring/ZMQ':>10}")
     for label in ("64B", "4KB"):
         for q in ("p50", "p99"):

@@ -2,13 +2,20 @@
 offline `LLM`: spawn one process per rank, own its rings, route requests by token load, stream
 each request's output to its caller, and notice a dead or stuck rank.
 
-Per rank: a request ring (Submit), a control ring (Abort, Shutdown) and an output ring
-(WorkerReady, StepOutputs, Heartbeat, Shutdown). Aborts are queued per rank and flushed by one
-task in batches, so a cancellation is never dropped, even while the control ring is full. A
-listener task per rank decodes the output ring into per-request queues of `TokenDelta` and
-`Finished` (the wire messages themselves). Process death is seen through the process sentinel
-(an fd the event loop watches) within milliseconds; the dead rank's in-flight requests end with
-an error naming the cause while the others keep running.
+Per rank: a request ring (Submit), a control ring (Abort, Shutdown), an output ring
+(WorkerReady, StepOutputs, Shutdown) and a status ring (Heartbeat, from a worker thread). Aborts
+are queued per rank and flushed by one task in batches, so a cancellation is never dropped, even
+while the control ring is full. A listener task per rank decodes the output ring into
+per-request queues of `TokenDelta` and `Finished` (the wire messages themselves).
+
+Failures are loud. Process death is seen through the process sentinel (an fd the event loop
+watches) within milliseconds; the dead rank's in-flight requests end with an error naming the
+cause (what the worker reported before exiting, if anything) while the others keep running. A
+ring this process reads that fails (a corrupt slot, a message that does not decode) takes its
+rank down the same way: the worker is killed, never resumed. The watchdog names a rank whose
+heartbeats stopped (a stopped process, or one that holds the GIL) after `liveness_timeout_s`,
+and one whose step has made no progress (no layer ran) for `stuck_after_s`; either makes the
+client unhealthy until the rank recovers.
 
 This module never imports torch: the HTTP process stays light (see docs/lifecycle.md).
 """
@@ -25,8 +32,8 @@ from pathlib import Path
 from typing import AsyncIterator, Union
 
 from engine.config import EngineConfig
-from ipc import (Abort, Finished, Heartbeat, IpcError, RingConfig, RingReader, RingWriter, SamplingParams, Shutdown,
-                 StepOutputs, Submit, TokenDelta, WorkerReady, decode, encode)
+from ipc import (Abort, Finished, Heartbeat, IpcError, RingClosed, RingConfig, RingReader, RingTimeout, RingWriter,
+                 SamplingParams, Shutdown, StepOutputs, Submit, TokenDelta, WorkerReady, decode, encode)
 from ipc.segment import remove_orphans
 
 from .router import DPRouter
@@ -50,6 +57,9 @@ def _slot_bytes(max_model_len: int | None) -> int:
 CONTROL_RING = RingConfig(slot_bytes=64 << 10, num_slots=64)
 
 
+STATUS_RING = RingConfig(slot_bytes=4096, num_slots=64)
+
+
 @dataclass
 class _Rank:
     index: int
@@ -57,24 +67,34 @@ class _Rank:
     requests: RingWriter
     control: RingWriter
     outputs: RingReader
+    status: RingReader
     ready: WorkerReady | None = None
     alive: bool = True
     last_beat: Heartbeat | None = None
+    beat_seen_at: float = 0.0  # monotonic time the last heartbeat arrived
+    progress_seen_at: float = 0.0  # monotonic time its progress counter last moved
+    failure: str | None = None  # why the rank went down, as the worker or a failing ring said
     inflight: set[int] = field(default_factory=set)
     aborts: list[int] = field(default_factory=list)  # waiting for the abort flusher
     abort_wakeup: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def rings(self) -> tuple:
+        return self.requests, self.control, self.outputs, self.status
 
 
 class EngineClient:
     def __init__(self, model_dir: str | Path, config: EngineConfig, dp: int = 1, device: str = "cpu",
                  threads_per_worker: int | None = None, ring_config: RingConfig | None = None,
-                 stuck_after_s: float = 30.0, ready_timeout_s: float = 600.0, routing: str = "token_load"):
+                 stuck_after_s: float = 60.0, liveness_timeout_s: float = 5.0, ready_timeout_s: float = 600.0,
+                 routing: str = "token_load"):
         if dp < 1:
             raise ValueError(f"--dp must be ≥ 1, got {dp}")
         self.model_dir, self.config, self.dp, self.device = str(model_dir), config, dp, device
         self.threads = threads_per_worker or max(1, (os.cpu_count() or 1) // dp)
         self.ring_config = ring_config or RingConfig(slot_bytes=_slot_bytes(config.max_model_len), num_slots=64)
         self.stuck_after_s = stuck_after_s
+        self.liveness_timeout_s = liveness_timeout_s
         self.ready_timeout_s = ready_timeout_s
         self.ranks: list[_Rank] = []
         self.router = DPRouter(dp, config.block_size, policy=routing)
@@ -96,21 +116,24 @@ class EngineClient:
             requests = RingWriter.create(self.ring_config)
             control = RingWriter.create(CONTROL_RING)
             outputs = RingReader.create(self.ring_config)
+            status = RingReader.create(STATUS_RING)
             proc = ctx.Process(target=run_worker, name=f"ringserve-rank{rank}", daemon=True,
                                args=(rank, self.model_dir, config_json, requests.name, control.name, outputs.name,
-                                     self.threads, self.device, worker_device(self.device, rank)))
+                                     status.name, self.threads, self.device, worker_device(self.device, rank)))
             proc.start()
-            self.ranks.append(_Rank(rank, proc, requests, control, outputs))
+            self.ranks.append(_Rank(rank, proc, requests, control, outputs, status))
         try:
             await asyncio.gather(*(self._await_ready(r) for r in self.ranks))
         except BaseException:
             await self.shutdown(timeout_s=5.0)  # no half-started server: stop every rank, unlink rings
             raise
         loop = asyncio.get_running_loop()
+        now = time.monotonic()
         for r in self.ranks:
+            r.beat_seen_at = r.progress_seen_at = now
             loop.add_reader(r.process.sentinel, self._on_sentinel, r)
-            self._tasks.append(asyncio.ensure_future(self._listen(r)))
-            self._tasks.append(asyncio.ensure_future(self._flush_aborts(r)))
+            self._tasks += [asyncio.ensure_future(coro) for coro in
+                            (self._listen(r), self._listen_status(r), self._flush_aborts(r))]
         self._tasks.append(asyncio.ensure_future(self._watchdog()))
 
     async def _await_ready(self, r: _Rank) -> None:
@@ -141,7 +164,8 @@ class EngineClient:
 
     @property
     def healthy(self) -> bool:
-        return bool(self.ranks) and all(r.alive for r in self.ranks)
+        """Every rank alive and answering (not stopped, not stuck)."""
+        return bool(self.ranks) and all(r.alive for r in self.ranks) and not self.stuck
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
         for task in self._tasks:
@@ -164,7 +188,7 @@ class EngineClient:
                 r.process.kill()
             r.process.join(timeout=5)
             r.alive = False  # nothing more is sent to it (aborts of cancelled requests included)
-            for ring in (r.requests, r.control, r.outputs):
+            for ring in r.rings:
                 ring.close()
         for rid in list(self._queues):
             self._deliver(rid, Finished(rid, "abort", 0, 0, "server shutting down", 503))
@@ -238,9 +262,12 @@ class EngineClient:
                 msg = decode(await r.outputs.get_async(timeout=3600.0), "from_worker")
             except asyncio.CancelledError:
                 raise
+            except RingTimeout:
+                continue
+            except RingClosed:  # the worker closed its end: it is exiting, its sentinel says how
+                return
             except IpcError as exc:
-                if r.alive and r.process.is_alive():
-                    logger.error("rank %d output ring failed: %s", r.index, exc)
+                self._ring_failed(r, "output ring", exc)
                 return
             if isinstance(msg, StepOutputs):
                 for delta in msg.deltas:
@@ -249,11 +276,40 @@ class EngineClient:
                 for done in msg.finished:
                     self.router.on_finish(done.request_id, done.completion_tokens)
                     self._deliver(done.request_id, done)
-            elif isinstance(msg, Heartbeat):
-                r.last_beat = msg
-                self.router.on_heartbeat(r.index, msg.kv_blocks_used)
             elif isinstance(msg, Shutdown):
+                r.failure = msg.reason  # a worker says why before it exits
                 logger.warning("rank %d: %s", r.index, msg.reason)
+
+    async def _listen_status(self, r: _Rank) -> None:
+        while r.alive:
+            try:
+                beat = decode(await r.status.get_async(timeout=3600.0), "from_worker")
+            except asyncio.CancelledError:
+                raise
+            except RingTimeout:
+                continue
+            except RingClosed:
+                return
+            except IpcError as exc:
+                self._ring_failed(r, "status ring", exc)
+                return
+            if not isinstance(beat, Heartbeat):
+                continue
+            now = time.monotonic()
+            last = r.last_beat
+            if last is None or not beat.step_started_at or (beat.progress, beat.step) != (last.progress, last.step):
+                r.progress_seen_at = now
+            r.last_beat, r.beat_seen_at = beat, now
+            self.router.on_heartbeat(r.index, beat.kv_blocks_used)
+
+    def _ring_failed(self, r: _Rank, ring: str, exc: BaseException) -> None:
+        """A ring from this rank failed: the rank cannot be trusted again. Kill it; the sentinel
+        then fails its requests with this reason (unless it already died for its own)."""
+        if not r.alive or not r.process.is_alive():
+            return
+        r.failure = r.failure or f"rank {r.index} {ring} failed: {type(exc).__name__}: {exc}"
+        logger.error("%s; stopping the rank", r.failure)
+        r.process.kill()
 
     def _deliver(self, rid: int, item: Output) -> None:
         queue = self._queues.get(rid)
@@ -267,7 +323,8 @@ class EngineClient:
         r.alive = False
         r.abort_wakeup.set()
         r.process.join(timeout=1)
-        reason = f"worker rank {r.index} died (exit code {r.process.exitcode})"
+        died = f"worker rank {r.index} died (exit code {r.process.exitcode})"
+        reason = f"{died}: {r.failure}" if r.failure else died
         logger.error("%s; failing its %d in-flight requests", reason, len(r.inflight))
         for rid in self.router.mark_dead(r.index) + list(r.inflight):
             self._deliver(rid, Finished(rid, "error", 0, 0, reason, 503))
@@ -277,23 +334,38 @@ class EngineClient:
 
     async def _watchdog(self) -> None:
         while True:
-            await asyncio.sleep(1.0)
-            now = time.time()
+            await asyncio.sleep(min(1.0, self.liveness_timeout_s / 4))
+            now = time.monotonic()
             for r in self.ranks:
-                beat = r.last_beat
-                if not r.alive or beat is None:
+                verdict = watchdog_verdict(r.index, r.last_beat, now - r.beat_seen_at, now - r.progress_seen_at,
+                                           self.liveness_timeout_s, self.stuck_after_s) if r.alive else None
+                if verdict is None:
+                    if self.stuck.pop(r.index, None) is not None:
+                        logger.warning("watchdog: rank %d answers again", r.index)
                     continue
-                stale = now - beat.sent_at
-                if stale <= self.stuck_after_s:
-                    self.stuck.pop(r.index, None)
-                    continue
-                # Heartbeats go out between steps, so silence means one step is running that long.
-                what = (f"rank {r.index} stuck: no heartbeat for {stale:.1f} s; step {beat.step + 1} has been "
-                        f"running at least that long ({beat.num_running} running, {beat.num_waiting} waiting, "
-                        f"{beat.kv_blocks_used}/{beat.kv_blocks_total} KV blocks)")
                 if self.stuck.get(r.index) is None:
-                    logger.error("watchdog: %s", what)
-                self.stuck[r.index] = what
+                    logger.error("watchdog: %s", verdict)
+                self.stuck[r.index] = verdict
+
+
+def watchdog_verdict(rank: int, beat: Heartbeat | None, silent_s: float, stalled_s: float, liveness_timeout_s: float,
+                     stuck_after_s: float) -> str | None:
+    """Why rank `rank` is not answering, or None if it is. `silent_s`: seconds since its last
+    heartbeat; `stalled_s`: seconds since its progress counter last moved (while a step runs)."""
+    if silent_s > liveness_timeout_s:
+        if beat is None:
+            where = "it had sent none"
+        elif beat.step_started_at:
+            where = f"step {beat.step + 1} was running ({beat.num_running} running, {beat.num_waiting} waiting)"
+        else:
+            where = f"it was idle after step {beat.step}"
+        return (f"rank {rank} stuck: no heartbeat for {silent_s:.1f} s (the process is stopped, or holds the GIL); "
+                f"{where}")
+    if beat is not None and beat.step_started_at and stalled_s > stuck_after_s:
+        return (f"rank {rank} stuck: step {beat.step + 1} has run no layer for {stalled_s:.1f} s "
+                f"({beat.num_running} running, {beat.num_waiting} waiting, "
+                f"{beat.kv_blocks_used}/{beat.kv_blocks_total} KV blocks)")
+    return None
 
 
 def worker_device(device: str, rank: int) -> str | None:

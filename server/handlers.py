@@ -12,10 +12,14 @@ import json
 import logging
 import time
 import uuid
-from msgspec.structs import replace
+from contextlib import aclosing
 from typing import Any
 
+import msgspec
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
+from msgspec.structs import replace
 
 from ipc.messages import INT64_MAX, INT64_MIN, Finished
 
@@ -33,19 +37,37 @@ def choice_seed(seed: int, choice: int) -> int:
     return (seed + choice - INT64_MIN) % span + INT64_MIN
 
 
+_JSON = msgspec.json.Decoder()
+
+
 async def read_json(request: web.Request) -> Any:
+    """The request body as JSON, or a 4xx naming what is wrong with it. msgspec's decoder
+    refuses what a JSON body must not hold (invalid UTF-8, lone UTF-16 surrogates, NaN, a
+    trailing tail), so every string that gets through can be encoded and tokenized."""
+    state = request.app[STATE]
     try:
-        raw = await request.read()
+        async with asyncio.timeout(state.body_timeout_s):
+            raw = await request.read()
+    except TimeoutError:
+        raise ProtocolError(f"the request body did not arrive within {state.body_timeout_s:g} s", None,
+                            "body_timeout", status=408) from None
     except web.HTTPRequestEntityTooLarge:
-        raise ProtocolError(f"request body exceeds {request.app[STATE].limits.max_body_bytes} bytes", None,
+        raise ProtocolError(f"request body exceeds {state.limits.max_body_bytes} bytes", None,
                             "body_too_large", status=413) from None
+    except (HttpProcessingError, RequestPayloadError) as exc:  # e.g. Content-Encoding: gzip on a body that isn't
+        reason = " ".join(str(getattr(exc, "message", exc)).split())
+        raise ProtocolError(f"the request body cannot be read: {reason}", None, "invalid_body") from None
     try:
-        return json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise ProtocolError("the request body is not valid UTF-8", None, "invalid_body") from None
-    except json.JSONDecodeError as exc:
-        raise ProtocolError(f"the request body is not valid JSON ({exc.msg} at position {exc.pos})", None,
-                            "invalid_json") from None
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ProtocolError(f"the request body is not valid UTF-8 (at byte {exc.start})", None, "invalid_body") from None
+    try:
+        return _JSON.decode(text)
+    except RecursionError:
+        raise ProtocolError("the request body is nested too deeply", None, "invalid_json") from None
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        reason = "lone UTF-16 surrogate or truncated" if "truncated" in str(exc) else str(exc)
+        raise ProtocolError(f"the request body is not valid JSON ({reason})", None, "invalid_json") from None
 
 
 def _prompt_ids(state: AppState, req: GenerationRequest) -> list[list[int]]:
@@ -107,6 +129,13 @@ async def _generate(request: web.Request, state: AppState, req: GenerationReques
         return await run.complete()
 
 
+def _engine_error(message: str, code: int) -> ProtocolError:
+    """The OpenAI error for a request the engine refused (4xx) or failed (5xx)."""
+    status = code if 400 <= code <= 599 else 500
+    return ProtocolError(message, None, "engine_error", status=status,
+                         err_type="server_error" if status >= 500 else "invalid_request_error")
+
+
 class _Run:
     """One HTTP request's choices, running concurrently in the engine."""
 
@@ -147,11 +176,8 @@ class _Run:
         async for item in self.state.client.generate(ids, params, session=self.req.user):
             if isinstance(item, Finished):
                 timer.scheduled(timer.arrival + item.queued_s)  # the worker measured the queue
-                if item.error and item.error_code >= 400 and not choice.state.token_ids:
-                    await self.events.put((choice, ProtocolError(item.error, None, "engine_error",
-                                                                 status=item.error_code,
-                                                                 err_type="server_error" if item.error_code >= 500
-                                                                 else "invalid_request_error"), 0))
+                if item.error and not choice.state.token_ids:
+                    await self.events.put((choice, _engine_error(item.error, item.error_code), 0))
                     return
                 await self.events.put((choice, choice.feed(item), 0))
                 return
@@ -190,9 +216,12 @@ class _Run:
 
     # ---- responses -----------------------------------------------------------------------------
     async def complete(self) -> web.Response:
-        async for _, payload, _ in self._events():
-            if isinstance(payload, ProtocolError):
-                raise payload
+        async with aclosing(self._events()) as events:  # leaving early cancels every choice at once
+            async for choice, payload, _ in events:
+                if isinstance(payload, ProtocolError):
+                    raise payload
+                if choice.state.finish_reason == "error" and choice.state.error:  # failed after some tokens
+                    raise _engine_error(choice.state.error, choice.state.error_code)
         choices = [self._final_choice(c) for c in self.choices]
         return web.json_response({"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                                   "created": self.created, "model": self.req.model, "choices": choices,
@@ -206,13 +235,19 @@ class _Run:
             for c in self.choices:
                 await self._send(resp, self._chunk(c, {"role": "assistant", "content": ""}, None))
         try:
-            async for choice, payload, _ in self._events():
-                if isinstance(payload, ProtocolError):  # after the 200: one error event, then close
-                    await self._send(resp, payload.body())
-                    await resp.write_eof()
-                    return resp
-                await self._send_delta(resp, choice, payload)
-        except (ConnectionResetError, asyncio.CancelledError):
+            async with aclosing(self._events()) as events:
+                async for choice, payload, _ in events:
+                    if isinstance(payload, ProtocolError):  # after the 200: one error event, then close
+                        await self._send(resp, payload.body())
+                        await resp.write_eof()
+                        return resp
+                    await self._send_delta(resp, choice, payload)
+                    if choice.state.finish_reason == "error" and choice.state.error:  # failed after some tokens
+                        await self._send(resp, _engine_error(choice.state.error, choice.state.error_code).body())
+        except ConnectionResetError:  # the client went away mid-write: one line, and its requests abort
+            logger.info("stream %s: client disconnected", self.id)
+            return resp
+        except asyncio.CancelledError:
             raise
         except Exception as exc:  # never a half-written stream without a reason
             logger.exception("stream %s failed", self.id)

@@ -1,6 +1,32 @@
-"""The OpenAPI 3 description of ringserve's HTTP API (served at /openapi.json; used for fuzzing)."""
+"""The OpenAPI 3 description of ringserve's HTTP API (served at /openapi.json; used for fuzzing).
+
+Numeric limits of the sampling fields come from the wire type (`ipc.messages.SamplingParams`),
+the same limits the server enforces, so a fuzzer's out-of-range values probe exactly them.
+"""
 
 from __future__ import annotations
+
+import msgspec.inspect
+
+from ipc.messages import SamplingParams
+
+
+def _wire_bounds() -> dict[str, dict]:
+    """Per SamplingParams field: its JSON-schema bounds (minimum / maximum / maxItems / items)."""
+    def bounds(t) -> dict:
+        if isinstance(t, msgspec.inspect.UnionType):
+            t = next(x for x in t.types if not isinstance(x, msgspec.inspect.NoneType))
+        if isinstance(t, msgspec.inspect.VarTupleType):
+            return {"maxItems": t.max_length, "items": {"type": "integer", **bounds(t.item_type)}}
+        out = {}
+        for ours, theirs in (("ge", "minimum"), ("le", "maximum")):
+            if getattr(t, ours, None) is not None:
+                out[theirs] = getattr(t, ours)
+        return out
+    return {f.name: bounds(f.type) for f in msgspec.inspect.type_info(SamplingParams).fields}
+
+
+_WIRE = _wire_bounds()
 
 _ERROR = {
     "type": "object",
@@ -15,14 +41,15 @@ _ERRORS = {str(code): {"description": text, "content": {"application/json": {"sc
                               (413, "body too large"), (429, "overloaded"), (503, "draining or worker dead"))}
 
 _SAMPLING = {
-    "max_tokens": {"type": ["integer", "null"], "minimum": 1},
-    "temperature": {"type": ["number", "null"], "minimum": 0, "maximum": 2},
+    "max_tokens": {"type": ["integer", "null"], **_WIRE["max_tokens"]},
+    "temperature": {"type": ["number", "null"], "minimum": 0, "maximum": 2},  # OpenAI's range, inside the wire's
     "top_p": {"type": ["number", "null"], "minimum": 0, "maximum": 1},
-    "top_k": {"type": ["integer", "null"], "minimum": -1},
-    "min_p": {"type": ["number", "null"], "minimum": 0, "maximum": 1},
-    "presence_penalty": {"type": ["number", "null"], "minimum": -2, "maximum": 2},
-    "frequency_penalty": {"type": ["number", "null"], "minimum": -2, "maximum": 2},
-    "seed": {"type": ["integer", "null"]},
+    "top_k": {"type": ["integer", "null"], **_WIRE["top_k"], "minimum": -1},  # -1 = disabled, as vLLM
+    "min_p": {"type": ["number", "null"], **_WIRE["min_p"]},
+    "presence_penalty": {"type": ["number", "null"], **_WIRE["presence_penalty"]},
+    "frequency_penalty": {"type": ["number", "null"], **_WIRE["frequency_penalty"]},
+    "seed": {"type": ["integer", "null"], **_WIRE["seed"]},
+    "stop_token_ids": {"type": ["array", "null"], **_WIRE["stop_token_ids"]},
     "n": {"type": ["integer", "null"], "minimum": 1, "maximum": 16},
     "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": 16},
                        {"type": "null"}]},
@@ -44,7 +71,7 @@ def openapi_spec(state) -> dict:
                                  "prompt": {"oneOf": [{"type": "string", "minLength": 1},
                                                       {"type": "array", "items": {"type": "integer", "minimum": 0},
                                                        "minItems": 1}]},
-                                 "logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": 20},
+                                 "logprobs": {"type": ["integer", "null"], **_WIRE["logprobs"]},
                                  "echo": {"type": ["boolean", "null"]}, **_SAMPLING}}
     message = {"type": "object", "required": ["role", "content"],
                "properties": {"role": {"type": "string", "enum": ["system", "user", "assistant"]},
@@ -53,8 +80,9 @@ def openapi_spec(state) -> dict:
             "properties": {"model": {"type": "string", "enum": list(state.served_names)},
                            "messages": {"type": "array", "items": message, "minItems": 1},
                            "logprobs": {"type": ["boolean", "null"]},
-                           "top_logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": 20},
-                           "max_completion_tokens": {"type": ["integer", "null"], "minimum": 1}, **_SAMPLING}}
+                           "top_logprobs": {"type": ["integer", "null"], **_WIRE["logprobs"]},
+                           "max_completion_tokens": {"type": ["integer", "null"], **_WIRE["max_tokens"]},
+                           **_SAMPLING}}
     simple = {"get": {"responses": {"200": {"description": "OK"}, "503": {"description": "unavailable"}}}}
     return {
         "openapi": "3.0.3",

@@ -20,6 +20,7 @@ from aiohttp import web
 
 from . import systemd
 from .app import make_app
+from .http import Runner
 from .metrics import Metrics
 from .protocol import Limits
 from .state import AppState
@@ -40,6 +41,15 @@ def add_serve_parser(sub: argparse._SubParsersAction, add_engine_args) -> None:
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
     p.add_argument("--request-timeout", type=float, default=600.0, help="per-request deadline in seconds")
     p.add_argument("--max-request-bytes", type=int, default=Limits.max_body_bytes)
+    p.add_argument("--max-connections", type=int, default=1024,
+                   help="open HTTP connections at once; one more gets 503 and is closed")
+    p.add_argument("--header-timeout", type=float, default=20.0,
+                   help="seconds a connection may take to send a request's head (also the keep-alive idle time)")
+    p.add_argument("--body-timeout", type=float, default=60.0, help="seconds a request may take to send its body")
+    p.add_argument("--watchdog-timeout", type=float, default=60.0,
+                   help="a worker step that runs no layer for this long is reported stuck (health 503)")
+    p.add_argument("--worker-liveness-timeout", type=float, default=5.0,
+                   help="a worker whose heartbeats stop for this long is reported stuck (stopped, or holding the GIL)")
     p.add_argument("--threads-per-worker", type=int, default=None)
     p.add_argument("--device", default="cpu", help="cpu, or cuda (one worker per GPU)")
     add_engine_args(p)
@@ -69,16 +79,17 @@ async def serve(args: argparse.Namespace) -> int:
     tokenizer = Tokenizer.from_dir(model_dir)
     config = engine_config_from(args).resolved()
     name = args.served_model_name or (model_dir.name if args.model_dir else "ringserve-builtin")
-    client = EngineClient(model_dir, config, dp=args.dp, device=args.device, threads_per_worker=args.threads_per_worker)
+    client = EngineClient(model_dir, config, dp=args.dp, device=args.device, threads_per_worker=args.threads_per_worker,
+                          stuck_after_s=args.watchdog_timeout, liveness_timeout_s=args.worker_liveness_timeout)
     await client.start()
     limits = Limits(max_body_bytes=args.max_request_bytes)
     state = AppState(client, tokenizer, [name], model_cfg.vocab_size, client.max_model_len, limits=limits,
                      api_key=args.api_key, max_running=args.dp * config.max_num_seqs,
                      max_queued_requests=args.max_queued_requests, request_timeout_s=args.request_timeout,
-                     metrics=Metrics(name))
-    runner = web.AppRunner(make_app(state), handler_cancellation=True, access_log=None,
-                           max_line_size=limits.max_field_bytes, max_field_size=limits.max_field_bytes,
-                           max_headers=limits.max_headers)
+                     body_timeout_s=args.body_timeout, metrics=Metrics(name))
+    runner = Runner(make_app(state), max_connections=args.max_connections, handler_cancellation=True,
+                    access_log=None, keepalive_timeout=args.header_timeout, max_line_size=limits.max_field_bytes,
+                    max_field_size=limits.max_field_bytes, max_headers=limits.max_headers)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
     try:

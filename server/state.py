@@ -44,6 +44,7 @@ class AppState:
     max_running: int = 64  # requests the workers run at once (dp × max_num_seqs)
     max_queued_requests: int = 256  # beyond max_running; past it new requests get 429
     request_timeout_s: float = 600.0
+    body_timeout_s: float = 60.0  # to receive a request's whole body
     version: str = "0.1.0"
     metrics: object | None = None
     ready: bool = False
@@ -53,10 +54,15 @@ class AppState:
 
     @contextmanager
     def admit(self, n: int):
-        """Reserve `n` engine requests or refuse at once: 503 while draining, 429 when full."""
+        """Reserve `n` engine requests or refuse at once: 503 while draining, 429 when full,
+        400 when `n` alone exceeds what the server can ever hold (retrying could not help)."""
         if self.draining or not self.ready:
             raise ProtocolError("the server is shutting down" if self.draining else "the server is not ready",
                                 None, "unavailable", status=503, err_type="service_unavailable")
+        capacity = self.max_running + self.max_queued_requests
+        if n > capacity:
+            raise ProtocolError(f"the request needs {n} sequences (prompts × n), more than this server can ever "
+                                f"hold at once ({capacity})", "n", "too_many_sequences")
         if self.in_flight + n > self.max_running + self.max_queued_requests:
             if self.metrics is not None:
                 self.metrics.request_rejected("overload")

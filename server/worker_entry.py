@@ -12,11 +12,11 @@ import signal
 
 
 def run_worker(rank: int, model_dir: str, config_json: str, request_ring: str, control_ring: str,
-               output_ring: str, num_threads: int, device: str, visible_device: str | None) -> None:
+               output_ring: str, status_ring: str, num_threads: int, device: str, visible_device: str | None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if visible_device is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = visible_device
         device = "cuda:0"
     from engine.worker_process import worker_main
 
-    worker_main(rank, model_dir, config_json, request_ring, control_ring, output_ring, num_threads, device)
+    worker_main(rank, model_dir, config_json, request_ring, control_ring, output_ring, status_ring, num_threads, device)

@@ -21,6 +21,6 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    s = Server(model_dir, "--max-num-seqs", "4", "--max-queued-requests", "4")
+    s = Server(model_dir, "--max-num-seqs", "4", "--max-queued-requests", "16")
     yield s
     assert s.stop() == 0, s.output()

@@ -76,3 +76,26 @@ class Server:
             raise
         finally:
             self.log.close()
+
+
+def segments_of(pid: int) -> list[str]:
+    """Shared-memory rings created by process `pid` (ring names start with rsring-<creator pid>-)."""
+    from ipc.segment import list_segments
+
+    return [n for n in list_segments() if n.startswith(f"rsring-{pid}-")]
+
+
+def children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def workers(pid: int) -> list[int]:
+    """Worker processes of the server (spawned children, not multiprocessing's resource tracker),
+    in rank order (they are started in it)."""
+    found = []
+    for child in sorted(children(pid)):
+        with open(f"/proc/{child}/cmdline", "rb") as f:
+            if b"spawn_main" in f.read():
+                found.append(child)
+    return found

@@ -140,3 +140,89 @@ def test_user_cap(server):
     status, body = post(server, "/v1/completions", {**base, "user": "u" * LIMITS.max_user_chars})
     assert status in (200, 429), body
     assert_error(*post(server, "/v1/completions", {**base, "user": "u" * (LIMITS.max_user_chars + 1)}), 400, "user")
+
+
+# ---- values that pass the API's own checks but not the wire types': 400 naming the field ----------
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "x", "top_k": 2**31}, "top_k"),
+    ({"prompt": "x", "top_k": 2**80}, "top_k"),
+    ({"prompt": "x", "stop_token_ids": [2**31]}, "stop_token_ids"),
+    ({"prompt": "x", "stop_token_ids": [-3]}, "stop_token_ids"),
+    ({"prompt": "x", "seed": 2**63}, "seed"),
+    ({"prompt": "x", "seed": -(2**63) - 1}, "seed"),
+    ({"prompt": "x", "max_tokens": 2**31}, "max_tokens"),
+    ({"prompt": [1, 2**40]}, "prompt"),
+])
+def test_values_beyond_the_wire_types(server, body, param):
+    assert_error(*post(server, "/v1/completions", {"max_tokens": 1, **body}), 400, param)
+
+
+def test_the_largest_seed_with_several_choices(server):
+    """seed + choice index must not overflow int64 for n > 1: the choices' seeds wrap."""
+    status, body = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2, "n": 3, "seed": 2**63 - 1,
+                                                     "temperature": 1.0})
+    assert status == 200 and len(body["choices"]) == 3, body
+
+
+@pytest.mark.parametrize("path, raw", [
+    ("/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 1}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 1}'),
+    ("/v1/completions", b'{"prompt": "x", "max_tokens": 1, "user": "\\ud83d"}'),
+    ("/tokenize", b'{"prompt": "\\ud800"}'),
+    ("/v1/completions", b'{"prompt": "\xed\xa0\x80", "max_tokens": 1}'),  # a surrogate encoded as UTF-8
+])
+def test_lone_surrogates(server, path, raw):
+    assert_error(*post(server, path, None, raw=raw), 400)
+
+
+def test_json_nested_thousands_deep(server):
+    raw = b'{"prompt": "x", "extra": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    assert_error(*post(server, "/v1/completions", None, raw=raw), 400, fragment="nested")
+
+
+def test_gzip_body_that_is_not_gzip(server):
+    raw = json.dumps({"prompt": "x", "max_tokens": 1}).encode()
+    assert_error(*post(server, "/v1/completions", None, raw=raw, headers={"Content-Encoding": "gzip"}), 400)
+
+
+def test_more_choices_than_can_ever_run_is_400_not_429(server):
+    body = {"prompt": ["p"] * LIMITS.max_prompts, "n": LIMITS.max_n, "max_tokens": 1}
+    assert_error(*post(server, "/v1/completions", body), 400, "n", "can ever hold")
+
+
+# ---- aiohttp's own parser errors answer in OpenAI JSON ------------------------------------------
+
+def raw_http(server, request: bytes) -> tuple[int, dict]:
+    import socket
+
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall(request)
+        data = b""
+        while b"\r\n\r\n" not in data or len(data) < data.find(b"\r\n\r\n") + 4 + _length(data):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)
+
+
+def _length(data: bytes) -> int:
+    for line in data.split(b"\r\n\r\n")[0].split(b"\r\n")[1:]:
+        if line.lower().startswith(b"content-length:"):
+            return int(line.split(b":")[1])
+    return 0
+
+
+@pytest.mark.parametrize("request_bytes", [
+    b"FOO\x01 /v1/models HTTP/1.1\r\nHost: x\r\n\r\n",  # a bad method
+    b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Long: " + b"a" * 20000 + b"\r\n\r\n",  # an oversized header
+    b"GET /v1/models HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: v\r\n" % i for i in range(300)) + b"\r\n",
+    # request smuggling: both a length and a chunked body
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+])
+def test_parser_errors_are_openai_json(server, request_bytes):
+    status, body = raw_http(server, request_bytes)
+    assert 400 <= status < 500
+    assert set(body["error"]) >= {"message", "type", "param", "code"} and "Traceback" not in body["error"]["message"]

@@ -52,7 +52,7 @@ STRATEGIES = {
     StepOutputs: st.builds(StepOutputs, deltas=st.lists(delta, max_size=4), finished=st.lists(finished, max_size=4)),
     WorkerReady: st.builds(WorkerReady, rank=count, pid=count, num_kv_blocks=count, kv_block_size=count,
                            max_model_len=count, device=text),
-    Heartbeat: st.builds(Heartbeat, rank=count, step=count, step_started_at=seconds, num_running=count,
+    Heartbeat: st.builds(Heartbeat, rank=count, step=count, step_started_at=seconds, progress=count, num_running=count,
                          num_waiting=count, kv_blocks_used=count, kv_blocks_total=count, sent_at=seconds,
                          spec_accepted_per_position=st.lists(count, max_size=4)),
 }

@@ -15,6 +15,7 @@ import pytest
 
 from engine.config import EngineConfig
 from ipc.loop import new_event_loop
+from ipc import RingConfig
 from ipc.messages import Finished, SamplingParams
 from ipc.segment import list_segments, remove_orphans
 from server.engine_client import EngineClient
@@ -99,7 +100,8 @@ def test_killed_worker_fails_only_its_requests_and_shutdown_leaves_nothing(model
 
 def test_watchdog_names_a_stuck_rank(model_dir):
     async def scenario():
-        client = EngineClient(model_dir, _config(), dp=1, threads_per_worker=1, stuck_after_s=1.0)
+        client = EngineClient(model_dir, _config(), dp=1, threads_per_worker=1, stuck_after_s=1.0,
+                              liveness_timeout_s=1.0)
         await client.start()
         pid = client.ranks[0].process.pid
         try:
@@ -115,3 +117,65 @@ def test_watchdog_names_a_stuck_rank(model_dir):
 
     _run(scenario())
     assert not [n for n in list_segments() if n.startswith(f"rsring-{os.getpid()}-")]
+
+
+def _beat(step: int, progress: int, running: bool):
+    from ipc.messages import Heartbeat
+
+    return Heartbeat(0, step, 1.0 if running else 0.0, progress, 1, 0, 3, 10, 0.0)
+
+
+def test_watchdog_tells_a_slow_step_from_a_stuck_one():
+    """Silence beyond the liveness timeout is a stopped process; a step whose layers stop moving
+    beyond the watchdog timeout is stuck; a long step that keeps running layers is neither."""
+    from server.engine_client import watchdog_verdict
+
+    slow = watchdog_verdict(0, _beat(7, 1234, running=True), silent_s=0.3, stalled_s=0.2, liveness_timeout_s=5,
+                            stuck_after_s=60)
+    assert slow is None  # a 10-minute prefill that reports layer after layer never trips it
+    stuck = watchdog_verdict(0, _beat(7, 1234, running=True), silent_s=0.3, stalled_s=61, liveness_timeout_s=5,
+                             stuck_after_s=60)
+    assert "rank 0 stuck" in stuck and "step 8 has run no layer for 61.0 s" in stuck
+    stopped = watchdog_verdict(0, _beat(7, 1234, running=True), silent_s=6, stalled_s=6, liveness_timeout_s=5,
+                               stuck_after_s=60)
+    assert "no heartbeat for 6.0 s" in stopped and "step 8 was running" in stopped
+    idle = watchdog_verdict(0, _beat(7, 1234, running=False), silent_s=0.3, stalled_s=1000, liveness_timeout_s=5,
+                            stuck_after_s=60)
+    assert idle is None  # an idle rank makes no progress and is fine
+
+
+def test_heartbeats_come_from_their_own_thread_during_a_long_step():
+    """The worker's heartbeat thread keeps sending while the loop thread is busy, and each beat
+    carries the layer counter as it moves."""
+    from types import SimpleNamespace
+
+    from engine.worker_process import HeartbeatThread
+    from ipc import RingReader, RingWriter, decode
+
+    model = SimpleNamespace(layers_run=0)
+    sched = SimpleNamespace(running=[1], waiting=[], num_preemptions=0)
+    engine = SimpleNamespace(model=model, scheduler=sched, cache=SimpleNamespace(
+        manager=SimpleNamespace(full=SimpleNamespace(num_used=1, num_blocks=9))),
+        stats=SimpleNamespace(spec_drafts=0, spec_draft_tokens=0, spec_accepted_per_position=[]))
+    worker = SimpleNamespace(engine=engine, stats=SimpleNamespace(steps=4, max_loop_pause_s=0.0),
+                             step_started_at=time.time())
+    reader = RingReader.create(RingConfig(slot_bytes=4096, num_slots=64))
+    writer = RingWriter.attach(reader.name)
+    beats = HeartbeatThread(0, worker, writer, interval_s=0.02)
+    beats.start()
+    try:
+        seen = []
+        deadline = time.monotonic() + 5
+        while len(set(seen)) < 4 and time.monotonic() < deadline:
+            model.layers_run += 1  # the "step" runs layers on this thread, holding the GIL between them
+            busy_until = time.monotonic() + 0.03
+            while time.monotonic() < busy_until:
+                pass
+            while (data := reader.poll()) is not None:
+                seen.append(decode(data).progress)
+        assert len(set(seen)) >= 4 and seen == sorted(seen)
+    finally:
+        beats.stop()
+        writer.close()
+        reader.close()
+    assert not beats.is_alive()
