@@ -173,7 +173,7 @@ class SequenceContext:
         idx_q = idx_w = None
         indexer = attn.indexer
         # Index queries matter only once some sequence has more entries than top-k.
-        if indexer is not None and max((s.start + s.length) // attn.ratio for s in self.seqs) > indexer.topk:
+        if indexer is not None and max(((s.start + s.length) // attn.ratio for s in self.seqs), default=0) > indexer.topk:
             idx_q, idx_w = indexer.queries(q_res, x, cos, sin)
         out = torch.empty(x.shape[0], attn.cfg.num_heads, attn.cfg.head_dim, dtype=torch.float32, device=x.device)
         for s in self.seqs:

@@ -28,8 +28,10 @@ from ipc import (Abort, Heartbeat, IpcError, RingReader, RingTimeout, RingWriter
 from ipc.errors import MessageTooLarge
 from ipc.loop import new_event_loop
 
-from .config import ConfigError, EngineConfig
+from .config import ConfigError, EngineConfig, ParallelConfig
 from .engine import Engine, default_dtype
+from .lockstep import Lockstep, join_group
+from .distributed import RendezvousError
 from .weights import WeightLoadError, load_model
 from .worker import Worker
 
@@ -66,22 +68,27 @@ class Outbox:
             raise RingFailure(f"output ring: {type(exc).__name__}: {exc}") from None
 
 
-def worker_main(rank: int, model_dir: str, config_json: str, request_ring: str, control_ring: str,
-                output_ring: str, status_ring: str, num_threads: int, device: str = "cpu") -> None:
+def worker_main(args, device: str = "cpu") -> None:
+    """Run one rank until told to stop (args: server.worker_entry.WorkerArgs)."""
+    rank = args.rank
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
-    torch.set_num_threads(num_threads)
-    writer = RingWriter.attach(output_ring)
-    requests = RingReader.attach(request_ring)
-    control = RingReader.attach(control_ring)
-    status = RingWriter.attach(status_ring)
+    torch.set_num_threads(args.num_threads)
+    writer = RingWriter.attach(args.output_ring)
+    requests = RingReader.attach(args.request_ring)
+    control = RingReader.attach(args.control_ring)
+    status = RingWriter.attach(args.status_ring)
     outbox = Outbox(writer)
     heartbeat: HeartbeatThread | None = None
+    group = None
     try:
-        config = EngineConfig.from_json(config_json)
-        model = load_model(model_dir, dtype=default_dtype(config, device), device=device, progress=False,
+        config = EngineConfig.from_json(args.engine_config)
+        parallel = ParallelConfig.from_json(args.parallel_config)
+        if parallel.grouped:
+            group = join_group(rank, parallel, args.master_port, args.generation)
+        model = load_model(args.model_dir, dtype=default_dtype(config, device), device=device, progress=False,
                            load_mtp=bool(config.resolved().speculative_tokens))
         engine = Engine(model, config)
-        worker = Worker(engine, outbox.send)
+        worker = Worker(engine, outbox.send, Lockstep(group) if group is not None else None)
         worker.warm_up()
         heartbeat = HeartbeatThread(rank, worker, status)
         heartbeat.start()
@@ -93,7 +100,7 @@ def worker_main(rank: int, model_dir: str, config_json: str, request_ring: str, 
         finally:
             loop.close()
     except Exception as exc:  # report, then exit non-zero: the server fails this rank's requests
-        if not isinstance(exc, (ConfigError, WeightLoadError, RingFailure)):  # known errors: the server prints them
+        if not isinstance(exc, (ConfigError, WeightLoadError, RingFailure, RendezvousError)):  # known: one line
             logger.exception("worker %d failed", rank)
         try:
             outbox.send(Shutdown(f"rank {rank} failed: {type(exc).__name__}: {exc}"))
@@ -103,6 +110,8 @@ def worker_main(rank: int, model_dir: str, config_json: str, request_ring: str, 
     finally:
         if heartbeat is not None:
             heartbeat.stop()
+        if group is not None:
+            group.close()
         requests.close()
         control.close()
         writer.close()

@@ -80,8 +80,44 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="never capture CUDA graphs: decode steps run the per-sequence eager path")
     p.add_argument("--kv-cache-memory", type=float, default=2.0, help="GiB for the KV pools")
     p.add_argument("--block-size", type=int, default=256, help="tokens per KV block")
-    p.add_argument("--dp", type=int, default=1,
-                   help="data-parallel ranks; > 1 runs one worker process per rank behind shared-memory rings")
+    add_parallel_args(p)
+
+
+def add_parallel_args(p: argparse.ArgumentParser) -> None:
+    """Parallelism across worker processes, as vLLM spells it."""
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--data-parallel-size", "--dp", dest="dp", type=int, default=1,
+                   help="data-parallel ranks, one worker process each (one GPU each on a GPU machine)")
+    g.add_argument("--enable-expert-parallel", action="store_true",
+                   help="shard the routed experts over the data-parallel ranks (DEP: data-parallel attention, "
+                        "expert-parallel MoE); the ranks step in lockstep")
+    g.add_argument("--num-redundant-experts", type=int, default=0,
+                   help="extra expert replicas over the group (EPLB gives them to the most loaded experts)")
+    g.add_argument("--enable-eplb", action="store_true", help="rebalance expert placement from measured load")
+    g.add_argument("--eplb-step-interval", type=int, default=3000, help="engine steps between EPLB rebalances")
+    g.add_argument("--all2all-backend", default="all_to_all",
+                   choices=["all_to_all", "padded_all_to_all", "allgather_reducescatter"],
+                   help="MoE dispatch/combine: uneven all-to-all, fixed-size padded buffers (CUDA-graph safe), "
+                        "or all-gather + reduce-scatter")
+    g.add_argument("--data-parallel-size-local", type=int, default=None,
+                   help="ranks this node runs (multi-node; default: all)")
+    g.add_argument("--data-parallel-start-rank", type=int, default=0, help="the first rank this node runs")
+    g.add_argument("--data-parallel-address", default="127.0.0.1", help="the head node's address")
+    g.add_argument("--data-parallel-rpc-port", type=int, default=29550,
+                   help="the head's port for headless nodes (the rendezvous store listens on the next port)")
+    g.add_argument("--headless", action="store_true", help="run this node's ranks and no HTTP server")
+
+
+def parallel_config_from(args: argparse.Namespace):
+    from engine.config import ParallelConfig
+
+    return ParallelConfig(data_parallel_size=args.dp, data_parallel_size_local=args.data_parallel_size_local,
+                          data_parallel_start_rank=args.data_parallel_start_rank,
+                          data_parallel_address=args.data_parallel_address,
+                          data_parallel_rpc_port=args.data_parallel_rpc_port, headless=args.headless,
+                          enable_expert_parallel=args.enable_expert_parallel,
+                          num_redundant_experts=args.num_redundant_experts, enable_eplb=args.enable_eplb,
+                          eplb_step_interval=args.eplb_step_interval, all2all_backend=args.all2all_backend)
 
 
 def engine_config_from(args: argparse.Namespace):
@@ -262,7 +298,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     model_cfg = ModelConfig.from_model_dir(model_dir)
     for i, ids in enumerate(prompts):  # every prompt checked before a worker starts
         validate_request(model_cfg.vocab_size, config.context_length(model_cfg), ids, params, i)
-    llm = LLM(model_dir, dp=args.dp, **config.to_dict())
+    llm = LLM(model_dir, parallel=parallel_config_from(args), **config.to_dict())
     try:
         results = llm.generate(prompts, params)
     except KeyboardInterrupt:

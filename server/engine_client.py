@@ -24,19 +24,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing
 import os
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator, Union
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, ParallelConfig
 from ipc import (Abort, Finished, Heartbeat, IpcError, RingClosed, RingConfig, RingReader, RingTimeout, RingWriter,
                  SamplingParams, Shutdown, StepOutputs, Submit, TokenDelta, WorkerReady, decode, encode)
 from ipc.segment import remove_orphans
 
 from .router import DPRouter
+from .worker_entry import WorkerArgs, WorkerProcess
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ STATUS_RING = RingConfig(slot_bytes=4096, num_slots=64)
 @dataclass
 class _Rank:
     index: int
-    process: multiprocessing.Process
+    process: WorkerProcess
     requests: RingWriter
     control: RingWriter
     outputs: RingReader
@@ -84,12 +85,14 @@ class _Rank:
 
 
 class EngineClient:
-    def __init__(self, model_dir: str | Path, config: EngineConfig, dp: int = 1, device: str = "cpu",
+    def __init__(self, model_dir: str | Path, config: EngineConfig, dp: int | None = None, device: str = "cpu",
                  threads_per_worker: int | None = None, ring_config: RingConfig | None = None,
                  stuck_after_s: float = 60.0, liveness_timeout_s: float = 5.0, ready_timeout_s: float = 600.0,
-                 routing: str = "token_load"):
-        if dp < 1:
+                 routing: str = "token_load", parallel: ParallelConfig | None = None):
+        if dp is not None and dp < 1:
             raise ValueError(f"--dp must be ≥ 1, got {dp}")
+        self.parallel = parallel or ParallelConfig(data_parallel_size=dp or 1)
+        dp = self.parallel.data_parallel_size
         self.model_dir, self.config, self.dp, self.device = str(model_dir), config, dp, device
         self.threads = threads_per_worker or max(1, (os.cpu_count() or 1) // dp)
         self.ring_config = ring_config or RingConfig(slot_bytes=_slot_bytes(config.max_model_len), num_slots=64)
@@ -104,24 +107,31 @@ class EngineClient:
         self._tasks: list[asyncio.Task] = []
         self.on_dead: list = []  # callbacks(rank) fired when a worker dies
         self.stuck: dict[int, str] = {}  # rank → what the watchdog last reported
+        self._shut_down = False
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
         remove_orphans()  # rings a crashed predecessor left in /dev/shm
-        ctx = multiprocessing.get_context("spawn")
-        from server.worker_entry import run_worker
+        parallel = self.parallel
+        # One rendezvous per start: a fresh generation id, so a restarted group never meets a
+        # stale peer; on one node the store takes any free port, across nodes the agreed one.
+        generation = uuid.uuid4().hex
+        master_port = 0
+        if parallel.grouped:
+            from engine.distributed import pick_free_port
 
-        config_json = self.config.to_json().decode()
-        for rank in range(self.dp):
+            master_port = (parallel.data_parallel_rpc_port + 1 if parallel.multi_node
+                           else pick_free_port(parallel.data_parallel_address))
+        for rank in parallel.local_ranks:
             requests = RingWriter.create(self.ring_config)
             control = RingWriter.create(CONTROL_RING)
             outputs = RingReader.create(self.ring_config)
             status = RingReader.create(STATUS_RING)
-            proc = ctx.Process(target=run_worker, name=f"ringserve-rank{rank}", daemon=True,
-                               args=(rank, self.model_dir, config_json, requests.name, control.name, outputs.name,
-                                     status.name, self.threads, self.device, worker_device(self.device, rank)))
-            proc.start()
-            self.ranks.append(_Rank(rank, proc, requests, control, outputs, status))
+            args = WorkerArgs(rank, self.model_dir, self.config.to_json().decode(), parallel.to_json().decode(),
+                              requests.name, control.name, outputs.name, status.name, self.threads, self.device,
+                              worker_device(self.device, rank - parallel.data_parallel_start_rank), master_port,
+                              generation)
+            self.ranks.append(_Rank(rank, WorkerProcess(args), requests, control, outputs, status))
         try:
             await asyncio.gather(*(self._await_ready(r) for r in self.ranks))
         except BaseException:
@@ -168,6 +178,10 @@ class EngineClient:
         return bool(self.ranks) and all(r.alive for r in self.ranks) and not self.stuck
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop every rank and unlink every ring (idempotent)."""
+        if self._shut_down:
+            return
+        self._shut_down = True
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -187,6 +201,7 @@ class EngineClient:
             if r.process.is_alive():
                 r.process.kill()
             r.process.join(timeout=5)
+            r.process.close()
             r.alive = False  # nothing more is sent to it (aborts of cancelled requests included)
             for ring in r.rings:
                 ring.close()

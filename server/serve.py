@@ -70,7 +70,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 async def serve(args: argparse.Namespace) -> int:
     from engine.config import ModelConfig
     from server.builtin import builtin_model_dir
-    from server.cli import engine_config_from
+    from server.cli import engine_config_from, parallel_config_from
     from server.engine_client import EngineClient
     from server.tokenizer import Tokenizer
 
@@ -79,8 +79,9 @@ async def serve(args: argparse.Namespace) -> int:
     tokenizer = Tokenizer.from_dir(model_dir)
     config = engine_config_from(args).resolved()
     name = args.served_model_name or (model_dir.name if args.model_dir else "ringserve-builtin")
-    client = EngineClient(model_dir, config, dp=args.dp, device=args.device, threads_per_worker=args.threads_per_worker,
-                          stuck_after_s=args.watchdog_timeout, liveness_timeout_s=args.worker_liveness_timeout)
+    client = EngineClient(model_dir, config, device=args.device, threads_per_worker=args.threads_per_worker,
+                          stuck_after_s=args.watchdog_timeout, liveness_timeout_s=args.worker_liveness_timeout,
+                          parallel=parallel_config_from(args))
     await client.start()
     limits = Limits(max_body_bytes=args.max_request_bytes)
     state = AppState(client, tokenizer, [name], model_cfg.vocab_size, client.max_model_len, limits=limits,

@@ -91,11 +91,11 @@ def children(pid: int) -> list[int]:
 
 
 def workers(pid: int) -> list[int]:
-    """Worker processes of the server (spawned children, not multiprocessing's resource tracker),
+    """Worker processes of the server (its `python -m server.worker_entry` children),
     in rank order (they are started in it)."""
     found = []
     for child in sorted(children(pid)):
         with open(f"/proc/{child}/cmdline", "rb") as f:
-            if b"spawn_main" in f.read():
+            if b"server.worker_entry" in f.read():
                 found.append(child)
     return found
