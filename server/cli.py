@@ -65,6 +65,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="compute dtype (auto: fp32 on CPU, bf16 on GPU)")
     p.add_argument("--kv-dtype", choices=["auto", "bf16", "fp8", "fp4"], default="auto",
                    help="KV record format (auto: the compute dtype)")
+    p.add_argument("--weight-dtype", choices=["auto", "bf16"], default="auto",
+                   help="weight storage: auto keeps the checkpoint's form (FP8 dense projections and FP4 "
+                        "routed experts stay quantized, dequantized inside the GEMM kernels); bf16 decodes "
+                        "every weight into the compute dtype at load (more memory)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="sequences per step (mode default)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step (mode default)")
     p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: min(model, 32768))")
@@ -87,7 +91,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_config_from(args: argparse.Namespace):
     from engine.config import EngineConfig
 
-    return EngineConfig(mode=args.mode, dtype=args.dtype, kv_dtype=args.kv_dtype, max_num_seqs=args.max_num_seqs,
+    return EngineConfig(mode=args.mode, dtype=args.dtype, kv_dtype=args.kv_dtype, weight_dtype=args.weight_dtype,
+                        max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                         speculative_tokens=args.speculative_tokens,
                         cuda_graph_sizes=tuple(args.cuda_graph_sizes or ()),
