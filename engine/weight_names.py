@@ -215,6 +215,7 @@ def _export_layer(prefix: str, suffix: str, layout: str, num_experts: int) -> li
     for w, (internal, part) in EXPERT_PARTS.items():
         pieces[internal].append((w, part))
     if suffix in pieces:
-        return [(f"{prefix}.ffn.experts.{e}.{w}.weight", e, part) for e in range(num_experts) for w, part in pieces[suffix]]
+        return [(f"{prefix}.ffn.experts.{e}.{w}.weight", e, part)
+                for e in range(num_experts) for w, part in pieces[suffix]]
     up = {internal: up for up, _, internal in _LAYER_TABLE if up}[suffix]
     return [(f"{prefix}.{up}", None, None)]

@@ -312,6 +312,15 @@ def _stored_format(ckpt: _Checkpoint, name: str, module: QuantWeight, target: Ta
     return fmt
 
 
+def checkpoint_formats(model_dir: str | Path, model: DeepseekV4) -> dict[str, WeightFormat]:
+    """The plan load_model(weight_dtype='auto') makes for `model` (a dense meta build of the
+    checkpoint's config, with or without MTP), from the shards' headers only."""
+    ckpt = _Checkpoint(shard_files(Path(model_dir)))
+    names = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
+    targets = _targets(ckpt, detect_layout(list(ckpt.location)), names, load_mtp=len(model.mtp) > 0)
+    return stored_formats(model, ckpt, targets)
+
+
 # ---- filling -----------------------------------------------------------------------------
 
 
@@ -323,7 +332,7 @@ class _Filler:
         self.model, self.ckpt, self.cfg = model, ckpt, model.cfg
         self.params = dict(list(model.named_parameters()) + list(model.named_buffers()))
         self.filled: set[str] = set()
-        self.expert_parts: dict[tuple[str, int], set[str]] = {}
+        self.expert_parts: dict[tuple[int, int], set[str]] = {}  # (id of the stack, slot) → parts
         self.consumed: set[str] = set()
         self.bytes_read = 0
 

@@ -1,4 +1,4 @@
-"""The `ringserve` command line: make-model, generate.
+"""The `ringserve` command line: make-model, generate, kv-report, memory-report, serve, bench.
 
 Every user error (bad flag value, unreadable checkpoint, invalid sampling parameter) ends as
 one line `ringserve: error: …` on stderr and exit status 2, never a traceback.
@@ -118,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_make_model(sub)
     _add_generate(sub)
     _add_kv_report(sub)
+    from server.memory_report import add_memory_report_parser
+
+    add_memory_report_parser(sub)
     from server.serve import add_serve_parser
 
     add_serve_parser(sub, add_engine_args)
