@@ -3,6 +3,8 @@ the kernel reference decodes from its codes; expert subsets; zero-token MoE batc
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,7 +13,20 @@ from engine.checkpoint import preset_config, quantize_fp4_rows, quantize_fp8_blo
 from engine.layers import clamped_swiglu
 from engine.linear import GroupedLinear, Linear, RoutedExperts, WeightFormat
 from engine.moe import MoE
+import kernels
 from kernels import reference
+
+
+@pytest.fixture(params=["cpu", "triton"])
+def kernel_path(request, monkeypatch):
+    """Run the containers through the CPU kernels, or through the Triton kernels (the GPU
+    path) interpreted on CPU tensors, to check the arguments the containers pass them."""
+    if request.param == "triton":
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("the Triton path runs interpreted only without a GPU")
+        pytest.importorskip("kernels.triton.quant_gemm")
+        monkeypatch.setattr(kernels, "_triton", lambda op, **tensors: True)
+    return request.param
 
 
 def _randn(*shape, seed=0):
@@ -35,7 +50,7 @@ def _fill(module, fmt, codes, scale):
 
 
 @pytest.mark.parametrize("kind", ["fp8", "fp4"])
-def test_linear_equals_dense_on_decoded_weight(kind):
+def test_linear_equals_dense_on_decoded_weight(kind, kernel_path):
     fmt, codes, scale, decoded = _quantized(kind, _randn(48, 64) * 0.1)
     lin = Linear(64, 48)
     _fill(lin, fmt, codes, scale)
@@ -47,7 +62,7 @@ def test_linear_equals_dense_on_decoded_weight(kind):
     assert lin(x.bfloat16()).dtype == torch.bfloat16
 
 
-def test_grouped_linear_fp8_equals_the_grouped_einsum():
+def test_grouped_linear_fp8_equals_the_grouped_einsum(kernel_path):
     groups, inp, out = 2, 64, 32
     fmt, codes, scale, decoded = _quantized("fp8", _randn(groups * out, inp) * 0.1)
     dense, quant = GroupedLinear(groups, inp, out), GroupedLinear(groups, inp, out)
@@ -87,7 +102,7 @@ def _expert_reference(dense: RoutedExperts, x: torch.Tensor, counts: list[int]) 
 
 
 @pytest.mark.parametrize("kind", ["fp8", "fp4"])
-def test_routed_experts_equal_per_expert_mlps(kind):
+def test_routed_experts_equal_per_expert_mlps(kind, kernel_path):
     dense, quant = _experts(kind)
     counts = [3, 0, 5, 1]  # an expert without rows
     x = _randn(sum(counts), 64, seed=5)
@@ -136,3 +151,21 @@ def test_moe_with_a_share_of_the_experts_refuses_direct_routing():
     moe.experts.select([0, 1])
     with pytest.raises(RuntimeError, match="ExpertParallelMoE"):
         moe(_randn(2, 64), torch.tensor([1, 2]))
+
+
+@pytest.mark.parametrize("kind", ["dense", "fp4"])
+def test_adopting_migrated_slots(kind):
+    """What EPLB hands back (state_dict names, one row per new slot) becomes the new share."""
+    dense, quant = _experts("fp4")
+    experts = dense if kind == "dense" else quant
+    old = {name: t.clone() for name, t in experts.state_dict().items()}
+    experts.adopt({name: t[[2, 0]].contiguous() for name, t in old.items()}, [2, 0])
+    assert experts.logical_ids == (2, 0) and experts.w13.lead == (2,)
+    for name, t in experts.state_dict().items():
+        want = old[name][[2, 0]]
+        bits = (lambda v: v.view(torch.uint8)) if t.dtype != torch.float32 else (lambda v: v)  # noqa: E731
+        assert t.dtype == want.dtype and torch.equal(bits(t), bits(want)), name
+    # Dense stacks on CPU keep the layout CPU grouped_mm is fast on: [L, K, N] contiguous.
+    assert kind == "fp4" or experts.w13.weight.transpose(1, 2).is_contiguous()
+    x = _randn(4, 64, seed=6)
+    assert experts(x, torch.tensor([1, 4], dtype=torch.int32)).shape == (4, 64)

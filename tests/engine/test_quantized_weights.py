@@ -142,7 +142,8 @@ class _SpySlice:
 def reads(monkeypatch):
     log: list = []
     real = weights_mod.safe_open
-    monkeypatch.setattr(weights_mod, "safe_open", lambda path, framework: _SpyFile(real(path, framework=framework), log))
+    monkeypatch.setattr(weights_mod, "safe_open",
+                        lambda path, framework: _SpyFile(real(path, framework=framework), log))
     return log
 
 
