@@ -381,6 +381,7 @@ def _validate(cfg: ModelConfig) -> None:
 MODES = ("throughput", "single-user")
 COMPUTE_DTYPES = ("auto", "bf16", "fp32")
 KV_DTYPES = ("auto", "bf16", "fp8", "fp4")
+WEIGHT_DTYPES = ("auto", "bf16")
 
 
 @dataclass(frozen=True)
@@ -391,6 +392,9 @@ class EngineConfig:
     mode: str = "throughput"
     dtype: str = "auto"  # compute dtype: auto = fp32 on CPU, bf16 on GPU
     kv_dtype: str = "auto"  # auto = the compute dtype (exact); bf16 | fp8 | fp4
+    # auto = weights as the checkpoint stores them (FP8/FP4 dequantized inside the GEMMs);
+    # bf16 = every weight decoded into the compute dtype at load.
+    weight_dtype: str = "auto"
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # None = min(model max, 32768)
@@ -412,6 +416,7 @@ class EngineConfig:
             (self.mode in MODES, "mode", f"must be one of {', '.join(MODES)}"),
             (self.dtype in COMPUTE_DTYPES, "dtype", f"must be one of {', '.join(COMPUTE_DTYPES)}"),
             (self.kv_dtype in KV_DTYPES, "kv_dtype", f"must be one of {', '.join(KV_DTYPES)}"),
+            (self.weight_dtype in WEIGHT_DTYPES, "weight_dtype", f"must be one of {', '.join(WEIGHT_DTYPES)}"),
             (all(s >= 1 for s in self.cuda_graph_sizes), "cuda_graph_sizes", "must be positive batch sizes"),
             (self.max_num_seqs is None or self.max_num_seqs >= 1, "max_num_seqs", "must be ≥ 1"),
             (self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1, "max_num_batched_tokens",

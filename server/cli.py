@@ -1,4 +1,4 @@
-"""The `ringserve` command line: make-model, generate.
+"""The `ringserve` command line: make-model, generate, kv-report, memory-report, serve, bench.
 
 Every user error (bad flag value, unreadable checkpoint, invalid sampling parameter) ends as
 one line `ringserve: error: …` on stderr and exit status 2, never a traceback.
@@ -65,6 +65,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="compute dtype (auto: fp32 on CPU, bf16 on GPU)")
     p.add_argument("--kv-dtype", choices=["auto", "bf16", "fp8", "fp4"], default="auto",
                    help="KV record format (auto: the compute dtype)")
+    p.add_argument("--weight-dtype", choices=["auto", "bf16"], default="auto",
+                   help="weight storage: auto keeps the checkpoint's form (FP8 dense projections and FP4 "
+                        "routed experts stay quantized, dequantized inside the GEMM kernels); bf16 decodes "
+                        "every weight into the compute dtype at load (more memory)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="sequences per step (mode default)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step (mode default)")
     p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: min(model, 32768))")
@@ -123,7 +127,8 @@ def parallel_config_from(args: argparse.Namespace):
 def engine_config_from(args: argparse.Namespace):
     from engine.config import EngineConfig
 
-    return EngineConfig(mode=args.mode, dtype=args.dtype, kv_dtype=args.kv_dtype, max_num_seqs=args.max_num_seqs,
+    return EngineConfig(mode=args.mode, dtype=args.dtype, kv_dtype=args.kv_dtype, weight_dtype=args.weight_dtype,
+                        max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                         speculative_tokens=args.speculative_tokens,
                         cuda_graph_sizes=tuple(args.cuda_graph_sizes or ()),
@@ -149,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_make_model(sub)
     _add_generate(sub)
     _add_kv_report(sub)
+    from server.memory_report import add_memory_report_parser
+
+    add_memory_report_parser(sub)
     from server.serve import add_serve_parser
 
     add_serve_parser(sub, add_engine_args)
