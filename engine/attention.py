@@ -123,7 +123,7 @@ class Attention(nn.Module):
         idx_rows = self.indexer.compressor.project(x, positions) if self.indexer is not None else None
         out = ctx.attend(self, layer, q, kv, x, q_res, (cos, sin), comp_rows, idx_rows, rope.compress_table)
         out = apply_rope(out.to(x.dtype), cos, sin, inverse=True)  # undo V's rotation
-        grouped = out.view(x.shape[0], cfg.o_groups, -1)  # [T, G, H·hd/G]
+        grouped = out.view(x.shape[0], cfg.o_groups, cfg.num_heads * cfg.head_dim // cfg.o_groups)  # [T, G, H·hd/G]
         low = self.wo_a(grouped).flatten(1)  # [T, G·o_lora]
         return self.wo_b(low)
 

@@ -41,10 +41,20 @@ class StepPlan:
 
 
 class Lockstep:
-    def __init__(self, group: DistGroup):
+    """One rank's side of the agreement; also runs the group's periodic EPLB window."""
+
+    def __init__(self, group: DistGroup, ep=None, parallel: ParallelConfig | None = None):
         self.group = group
         self.rank, self.world_size = group.rank, group.world_size
+        self.ep = ep  # engine.expert_parallel.ExpertParallel, or None
+        self.parallel = parallel
         self._buf = torch.zeros(4, dtype=torch.int64)
+
+    def after_step(self, steps: int) -> None:
+        """Every eplb_step_interval agreed steps (the same on every rank): the group's expert
+        load, and with --enable-eplb a rebalance."""
+        if self.ep is not None and self.parallel is not None and steps % self.parallel.eplb_step_interval == 0:
+            self.ep.rebalance(move_weights=self.parallel.enable_eplb)
 
     def agree(self, plan: StepPlan) -> StepPlan:
         """The step every rank runs (blocks until every rank has asked)."""

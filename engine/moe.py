@@ -30,6 +30,9 @@ class MoE(nn.Module):
         else:
             self.gate_bias = nn.Parameter(torch.zeros(e))  # fp32, used for selection only
         self.experts = RoutedExperts(e, h, i, cfg.swiglu_limit)
+        # Under expert parallelism, the dispatch to the ranks owning each token's experts
+        # (engine/expert_parallel.py); None: every expert is here.
+        self.parallel = None
         if cfg.n_shared_experts:
             self.shared_w1 = Linear(h, i)
             self.shared_w3 = Linear(h, i)
@@ -56,7 +59,10 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """x: [T, H] → [T, H]; T may be 0."""
         weights, expert_ids = self.route(x, token_ids)
-        out = self._experts(x, weights, expert_ids)
+        if self.parallel is not None:
+            out = self.parallel(x, weights, expert_ids)
+        else:
+            out = self._experts(x, weights, expert_ids)
         if self.cfg.n_shared_experts:
             out = out + self.shared(x)
         return out

@@ -157,6 +157,7 @@ class Worker:
                 self.emit(out)
             self.step_started_at = 0.0
             self.stats.steps += 1
+            lockstep.after_step(self.stats.steps)
             await asyncio.sleep(0)
 
     def _on_gc(self, phase: str, info: dict) -> None:

@@ -28,10 +28,11 @@ from ipc import (Abort, Heartbeat, IpcError, RingReader, RingTimeout, RingWriter
 from ipc.errors import MessageTooLarge
 from ipc.loop import new_event_loop
 
-from .config import ConfigError, EngineConfig, ParallelConfig
+from .config import ConfigError, EngineConfig, ModelConfig, ParallelConfig
 from .engine import Engine, default_dtype
 from .lockstep import Lockstep, join_group
 from .distributed import RendezvousError
+from .expert_parallel import ExpertParallel, experts_to_load, initial_placement
 from .weights import WeightLoadError, load_model
 from .worker import Worker
 
@@ -85,10 +86,9 @@ def worker_main(args, device: str = "cpu") -> None:
         parallel = ParallelConfig.from_json(args.parallel_config)
         if parallel.grouped:
             group = join_group(rank, parallel, args.master_port, args.generation)
-        model = load_model(args.model_dir, dtype=default_dtype(config, device), device=device, progress=False,
-                           load_mtp=bool(config.resolved().speculative_tokens))
+        model, ep = _load(args.model_dir, config, parallel, device, group)
         engine = Engine(model, config)
-        worker = Worker(engine, outbox.send, Lockstep(group) if group is not None else None)
+        worker = Worker(engine, outbox.send, Lockstep(group, ep, parallel) if group is not None else None)
         worker.warm_up()
         heartbeat = HeartbeatThread(rank, worker, status)
         heartbeat.start()
@@ -116,6 +116,24 @@ def worker_main(args, device: str = "cpu") -> None:
         control.close()
         writer.close()
         status.close()
+
+
+def _load(model_dir: str, config: EngineConfig, parallel: ParallelConfig, device: str, group):
+    """The model, with this rank's share of the experts under expert parallelism (and the
+    machinery that reaches the others' shares), else whole."""
+    resolved = config.resolved()
+    load_mtp = bool(resolved.speculative_tokens)
+    kwargs = dict(dtype=default_dtype(config, device), device=device, progress=False, load_mtp=load_mtp,
+                  weight_dtype=config.weight_dtype)
+    if group is None:
+        return load_model(model_dir, **kwargs), None
+    cfg = ModelConfig.from_model_dir(model_dir)
+    num_mtp = cfg.num_nextn_predict_layers if load_mtp else 0
+    placement = initial_placement(cfg, num_mtp, parallel)
+    model = load_model(model_dir, experts=experts_to_load(placement, group.rank), **kwargs)
+    if len(model.mtp) != num_mtp:
+        raise ConfigError("--speculative-tokens needs MTP weights in the checkpoint")
+    return model, ExpertParallel(model, group, parallel, placement, resolved.max_num_batched_tokens)
 
 
 async def _serve(rank: int, worker: Worker, requests: RingReader, control: RingReader, outbox: Outbox,
@@ -195,10 +213,12 @@ class HeartbeatThread(threading.Thread):
     def beat(self) -> Heartbeat:
         worker, engine = self.worker, self.worker.engine
         sched, st, blocks = engine.scheduler, engine.stats, engine.cache.manager.full
+        ep = worker.lockstep.ep if worker.lockstep is not None else None
         return Heartbeat(self.rank, worker.stats.steps, worker.step_started_at, engine.model.layers_run,
                          len(sched.running), len(sched.waiting), blocks.num_used, blocks.num_blocks, time.time(),
                          sched.num_preemptions, st.spec_drafts, st.spec_draft_tokens,
-                         list(st.spec_accepted_per_position), worker.stats.max_loop_pause_s)
+                         list(st.spec_accepted_per_position), worker.stats.max_loop_pause_s,
+                         list(ep.last_imbalance) if ep is not None else [], ep.rebalances if ep is not None else 0)
 
     def stop(self) -> None:
         self._stop_event.set()

@@ -36,7 +36,7 @@ from ipc import (Abort, Finished, Heartbeat, IpcError, RingClosed, RingConfig, R
                  SamplingParams, Shutdown, StepOutputs, Submit, TokenDelta, WorkerReady, decode, encode)
 from ipc.segment import remove_orphans
 
-from .router import DPRouter
+from .router import DPRouter, NoRankAlive
 from .worker_entry import WorkerArgs, WorkerProcess
 
 logger = logging.getLogger(__name__)
@@ -214,7 +214,11 @@ class EngineClient:
         """Submit a request and yield its output as it arrives, ending with its `Finished`.
         Cancelling the iteration aborts the request in its worker."""
         rid = self.new_request_id() if request_id is None else request_id
-        rank = self.router.assign(rid, len(prompt_token_ids), params.max_tokens, session)
+        try:
+            rank = self.router.assign(rid, len(prompt_token_ids), params.max_tokens, session)
+        except NoRankAlive as exc:
+            yield Finished(rid, "error", len(prompt_token_ids), 0, str(exc), 503)
+            return
         r = self.ranks[rank]
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = queue
@@ -340,10 +344,16 @@ class EngineClient:
         r.process.join(timeout=1)
         died = f"worker rank {r.index} died (exit code {r.process.exitcode})"
         reason = f"{died}: {r.failure}" if r.failure else died
-        logger.error("%s; failing its %d in-flight requests", reason, len(r.inflight))
-        for rid in self.router.mark_dead(r.index) + list(r.inflight):
+        # An expert-parallel group cannot heal: every rank's requests fail now, with this cause.
+        victims = [x for x in self.ranks if x.alive or x is r] if self.parallel.grouped else [r]
+        if self.parallel.grouped:
+            reason += "; the expert-parallel group cannot continue"
+        lost = [rid for x in victims for rid in self.router.mark_dead(x.index) + list(x.inflight)]
+        logger.error("%s; failing its %d in-flight requests", reason, len(lost))
+        for rid in lost:
             self._deliver(rid, Finished(rid, "error", 0, 0, reason, 503))
-        r.inflight.clear()
+        for x in victims:
+            x.inflight.clear()
         for callback in self.on_dead:
             callback(r.index)
 
