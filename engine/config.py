@@ -505,6 +505,9 @@ class ParallelConfig:
             (0 < self.data_parallel_rpc_port < 65535, "data_parallel_rpc_port", "must be a TCP port below 65535"),
             (not self.headless or self.data_parallel_start_rank > 0, "headless",
              "a headless node runs ranks after the head's (set --data-parallel-start-rank)"),
+            (self.headless or self.data_parallel_start_rank == 0, "data_parallel_start_rank",
+             "must be 0 on the head (other nodes run with --headless)"),
+            (self.rendezvous_timeout_s > 0, "rendezvous_timeout_s", "must be positive"),
             (self.collective_timeout_s > 0, "collective_timeout_s", "must be positive"),
         ]
         for ok, name, rule in checks:

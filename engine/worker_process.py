@@ -208,6 +208,9 @@ class HeartbeatThread(threading.Thread):
             except IpcError as exc:
                 self.failure = RingFailure(f"status ring: {type(exc).__name__}: {exc}")
                 return
+            except Exception as exc:  # noqa: BLE001 - a silent heartbeat thread would look like a hung rank
+                self.failure = exc
+                return
             self._stop_event.wait(self.interval_s)
 
     def beat(self) -> Heartbeat:

@@ -110,6 +110,8 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--data-parallel-rpc-port", type=int, default=29550,
                    help="the head's port for headless nodes (the rendezvous store listens on the next port)")
     g.add_argument("--headless", action="store_true", help="run this node's ranks and no HTTP server")
+    g.add_argument("--rendezvous-timeout", type=float, default=300.0,
+                   help="seconds every node and rank has to join the group at start")
 
 
 def parallel_config_from(args: argparse.Namespace):
@@ -119,6 +121,7 @@ def parallel_config_from(args: argparse.Namespace):
                           data_parallel_start_rank=args.data_parallel_start_rank,
                           data_parallel_address=args.data_parallel_address,
                           data_parallel_rpc_port=args.data_parallel_rpc_port, headless=args.headless,
+                          rendezvous_timeout_s=args.rendezvous_timeout,
                           enable_expert_parallel=args.enable_expert_parallel,
                           num_redundant_experts=args.num_redundant_experts, enable_eplb=args.enable_eplb,
                           eplb_step_interval=args.eplb_step_interval, all2all_backend=args.all2all_backend)
@@ -167,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("systemd-unit", help="print a systemd unit that runs `ringserve serve` with these flags")
     p.add_argument("--user", default=None, help="run as this account (default: DynamicUser)")
     p.add_argument("--watchdog-sec", type=float, default=60.0)
+    p.add_argument("--role", choices=["server", "head", "headless"], default=None,
+                   help="one node (server), or a multi-node group's head / headless node "
+                        "(default: from the serve flags)")
     p.add_argument("serve_args", nargs=argparse.REMAINDER, help="flags for ringserve serve")
     p.set_defaults(func=_cmd_systemd_unit)
     return parser
@@ -193,10 +199,17 @@ def _cmd_systemd_unit(args: argparse.Namespace) -> int:
     from server.systemd import render_unit
 
     serve_args = [a for a in args.serve_args if a != "--"]
+    if args.role == "headless" and "--headless" not in serve_args:
+        serve_args.append("--headless")
     probe = build_parser().parse_args(["serve", *serve_args])  # validate the flags now, not at boot
+    parallel = parallel_config_from(probe)  # raises ConfigError naming a bad flag
+    role = "headless" if probe.headless else "head" if parallel.multi_node else "server"
+    if args.role is not None and args.role != role:
+        raise CliError(f"--role {args.role} does not match the serve flags, which describe a {role} "
+                       f"(a head runs ranks from 0 with --data-parallel-size-local < --data-parallel-size)")
     exec_path = shutil.which("ringserve") or str(Path(sys.executable).with_name("ringserve"))
     print(render_unit(serve_args, exec_path=exec_path, user=args.user, drain_timeout_s=probe.drain_timeout,
-                      watchdog_s=args.watchdog_sec), end="")
+                      watchdog_s=args.watchdog_sec, role=role), end="")
     return 0
 
 
