@@ -94,35 +94,39 @@ def build_token_map(tokenizer_path: Path) -> tuple[list[int], int]:
 
 
 class EngramHasher:
-    """Stateless: hash ids of positions [start, end) given the compressed-id history [0, end)."""
+    """Stateless: hash ids of positions [start, end) given the compressed-id history [0, end).
 
-    def __init__(self, cfg: V41Config, token_map: list[int]):
-        self.cfg = cfg
+    multipliers: int64 [L, max_ngram_size]; primes: int64 [L, (max_ngram_size - 1)·n_heads]
+    (n-gram size major, head minor); pad: the compressed id standing in before the start."""
+
+    def __init__(self, multipliers: torch.Tensor, primes: torch.Tensor, n_heads: int, pad: int,
+                 token_map: list[int]):
+        self.multipliers, self.primes, self.n_heads, self.pad = multipliers, primes, n_heads, pad
+        self.offsets = torch.cumsum(primes, dim=1) - primes  # exclusive running sum per layer
         self.token_map = torch.tensor(token_map, dtype=torch.int64)
-        self.pad = int(self.token_map[cfg.engram_pad_id])
-        primes = engram_primes(cfg)
-        flat = torch.tensor([[p for heads in layer for p in heads] for layer in primes])  # [L, cols]
-        self.primes = flat
-        self.offsets = torch.cumsum(flat, dim=1) - flat  # exclusive running sum per layer
-        self.multipliers = hash_multipliers(cfg.engram_layer_ids, cfg.engram_max_ngram_size,
-                                            cfg.engram_compressed_vocab_size)
+
+    @classmethod
+    def for_config(cls, cfg: V41Config, token_map: list[int]) -> "EngramHasher":
+        primes = torch.tensor([[p for heads in layer for p in heads] for layer in engram_primes(cfg)])
+        multipliers = hash_multipliers(cfg.engram_layer_ids, cfg.engram_max_ngram_size,
+                                       cfg.engram_compressed_vocab_size)
+        return cls(multipliers, primes, cfg.engram_n_heads, token_map[cfg.engram_pad_id], token_map)
 
     def compress(self, token_ids: list[int]) -> list[int]:
         return self.token_map[torch.tensor(token_ids, dtype=torch.int64)].tolist()
 
     def hash_ids(self, history: list[int], start: int, end: int) -> torch.Tensor:
         """int64 [end - start, n_engram_layers, n_hash_cols] (columns: n-gram size major, head minor)."""
-        cfg = self.cfg
-        n_max, n_heads = cfg.engram_max_ngram_size, cfg.engram_n_heads
+        n_max = self.multipliers.shape[1]
         hist = torch.tensor(history[:end], dtype=torch.int64)
         pos = torch.arange(start, end)
-        # look-back ids [T, n_max]: column j is the token j places back, pad at/after the start
+        # look-back ids [T, n_max]: column j is the token j places back, pad before the start
         back = torch.stack([torch.where(pos - j >= 0, hist[(pos - j).clamp_min(0)], self.pad)
                             for j in range(n_max)], dim=-1)
         products = back[:, None, :] * self.multipliers[None]  # [T, L, n_max]
         rolling, cols = products[..., 0], []
         for n in range(2, n_max + 1):  # after XOR-ing look-back n-1, rolling hashes the n-gram
             rolling = rolling ^ products[..., n - 1]
-            cols.append(rolling[..., None].expand(-1, -1, n_heads))
+            cols.append(rolling[..., None].expand(-1, -1, self.n_heads))
         hashed = torch.cat(cols, dim=-1)  # [T, L, cols]
         return hashed % self.primes[None] + self.offsets[None]

@@ -45,7 +45,7 @@ def round_to_grid(x: torch.Tensor, grid: tuple[int, int, float]) -> torch.Tensor
 def pow2_ceil(v: torch.Tensor) -> torch.Tensor:
     """2^ceil(log2 v) for finite v > 0, exactly (a ue8m0 scale)."""
     m, e = torch.frexp(v)  # v = m · 2^e, m in [0.5, 1): an exact power of two has m == 0.5
-    return torch.ldexp(torch.ones_like(v), torch.where(m == 0.5, e - 1, e))
+    return torch.ldexp(torch.ones_like(v), e - (m == 0.5).to(e.dtype))
 
 
 def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -56,7 +56,10 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
 
 
 def _poison_nonfinite(xb: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor):
-    bad = ~torch.isfinite(xb).all(-1, keepdim=True)  # [..., n_blocks, 1]
+    finite = torch.isfinite(xb)
+    if bool(finite.all()):
+        return codes, scale
+    bad = ~finite.all(-1, keepdim=True)  # [..., n_blocks, 1]
     nan = torch.full_like(scale, float("nan"))
     return torch.where(bad, float("nan"), codes), torch.where(bad, nan, scale)
 

@@ -118,7 +118,7 @@ class ReferenceV41:
         if token_map is None:
             token_map, size = load_token_map(Path(ckpt.model_dir) / "engram_token_map.json")
             assert size == self.cfg.engram_compressed_vocab_size, "token map does not match the config"
-        self.hasher = EngramHasher(self.cfg, token_map)
+        self.hasher = EngramHasher.for_config(self.cfg, token_map)
 
     def new_state(self) -> SequenceState:
         return SequenceState()
