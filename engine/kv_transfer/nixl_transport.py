@@ -232,7 +232,10 @@ class KVTransport:
         nixl_agent, nixl_agent_config, self._nixl = _nixl()
         config = nixl_agent_config(enable_prog_thread=True, enable_listen_thread=True,
                                    listen_port=0 if listen_port is None else listen_port, backends=list(backends))
-        self._agent = nixl_agent(name, config)
+        try:
+            self._agent = nixl_agent(name, config)
+        except RuntimeError as exc:  # e.g. "Failed to bind metadata listener socket"
+            raise TransportError(f"cannot start NIXL agent {name!r} (listen port {listen_port}): {exc}") from None
         missing = [b for b in backends if b not in self._agent.backends]
         if missing:
             self._agent = None
@@ -267,15 +270,15 @@ class KVTransport:
             offset += len(region.tensors) * region.num_blocks
         if offset > wire.MAX_DESCRIPTORS:
             raise ValueError(f"{offset} block descriptors exceed {wire.MAX_DESCRIPTORS}")
+        mem = {(r.mem_type, r.device_id) for r in built.values()}
+        if len(mem) != 1:  # one prepared list covers every region, so one memory type and device
+            raise ValueError(f"regions span several memories {sorted(mem)}; use one transport per device")
         for region in built.values():
             self._reg_descs.append(self._agent.register_memory(region.tensors))
         self._regions = built
         rows = _strided_rows([(r.block_bytes, r.num_blocks, r.device_id, [t.data_ptr() for t in r.tensors])
                               for r in built.values()])
-        mem = {r.mem_type for r in built.values()}
-        if len(mem) != 1:
-            raise ValueError("host and device regions in one transport are not supported")
-        self._local_dlist = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows, mem.pop())
+        self._local_dlist = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows, mem.pop()[0])
         self._digest = compat_hash(self.identity, [r.shape_key() for r in built.values()])
 
     def layout_digest(self) -> str:
@@ -382,8 +385,7 @@ class KVTransport:
                 local.append(region.offset + t * region.num_blocks + lid)
                 remote.append(p.offsets[name] + t * geo.num_blocks + rid)
             nbytes += rid.size * len(region.tensors) * region.block_bytes
-        cat = lambda xs: np.concatenate(xs).astype(np.int32) if xs else np.zeros(0, np.int32)  # noqa: E731
-        return cat(local), cat(remote), nbytes
+        return _int32(local), _int32(remote), nbytes
 
     def _transfer_done(self, t: Transfer) -> None:
         _quietly(t._handle.release)
@@ -674,6 +676,10 @@ def _block_ids(ids: Sequence[int], num_blocks: int, what: str) -> np.ndarray:
     if arr.size and (arr.min() < 0 or arr.max() >= num_blocks):
         raise ValueError(f"{what} block ids must be in [0, {num_blocks})")
     return arr
+
+
+def _int32(parts: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(parts).astype(np.int32) if parts else np.zeros(0, np.int32)
 
 
 def _quietly(fn) -> None:

@@ -399,3 +399,58 @@ def test_pd_handoff_between_two_kv_caches():
     finally:
         decode.close()
         prefill.close()
+
+
+def _pair(n_server: int = 16, n_reader: int = 8):
+    """A server and a reader transport in this process (two agents over tcp), connected."""
+    server = KVTransport(unique_name("prefill"), _free_port())
+    reader = KVTransport(unique_name("decode"), None)
+    x = torch.arange(n_server * 64, dtype=torch.int32).view(n_server, 64)
+    y = torch.zeros(n_reader, 64, dtype=torch.int32)
+    server.register({"r": x})
+    reader.register({"r": y})
+    hs = reader.start_connect(server.name, "127.0.0.1", server.listen_port)
+    while hs.poll() == "pending":
+        server.pump()
+        time.sleep(0.002)
+    return server, reader, x, y
+
+
+def test_pruning_an_idle_reader_keeps_its_reads_working():
+    server, reader, x, y = _pair()
+    try:
+        assert server.served() == [reader.name]
+        assert server.prune(idle_s=3600) == []
+        assert server.prune(idle_s=0.0) == [reader.name] and server.served() == []
+        assert not server._agent.check_remote_metadata(reader.name)  # metadata and endpoint gone
+        reader.read(server.name, "r", [5, 6], [2, 3]).wait(5)  # one-sided: still fine
+        assert torch.equal(y[2:4], x[5:7])
+        with pytest.raises(PeerUnavailable):
+            server.send_notification(reader.name, b"x")
+    finally:
+        reader.close()
+        server.close()
+
+
+def test_bad_arguments_are_refused_before_anything_moves():
+    server, reader, _, y = _pair()
+    try:
+        with pytest.raises(ValueError, match=r"in \[0, 8\)"):
+            reader.read(server.name, "r", [1], [8])
+        with pytest.raises(ValueError, match=r"in \[0, 16\)"):
+            reader.read(server.name, "r", [16], [1])
+        with pytest.raises(ValueError, match="written twice"):
+            reader.read(server.name, "r", [1, 2], [3, 3])
+        with pytest.raises(KeyError):
+            reader.read(server.name, "nope", [1], [1])
+        with pytest.raises(ValueError, match="reserved"):
+            reader.send_notification(server.name, protocol.HANDSHAKE_MAGIC + b"x")
+        with pytest.raises(Exception, match="already registered"):
+            reader.register({"r2": y})
+        assert reader.read(server.name, "r", [], []).poll() == "done"
+        assert reader.state()["pending_transfers"] == 0
+        with pytest.raises(Exception, match="cannot start NIXL agent"):
+            KVTransport(unique_name("again"), server.listen_port)  # the server holds the port
+    finally:
+        reader.close()
+        server.close()
