@@ -1,4 +1,4 @@
-"""Wire types of PD transfer, as msgspec Structs validated on decode (no pickle, no torch).
+"""Wire types of PD transfer, as msgspec Structs validated on decode (msgpack only, no torch).
 
 Two vocabularies:
   * `KVTransferParams`: the `kv_transfer_params` JSON object of the two-leg HTTP protocol (vLLM's
