@@ -69,6 +69,11 @@ class ExpertParallel:
             self.dispatchers.append(ep)
         self.last_imbalance: list[float] = [1.0] * placement.num_layers  # per layer, of the last window
         self.rebalances = 0
+        # The load EPLB places for: every window's group load, older windows decayed by half each
+        # time, so one odd window (a burst of one prompt) cannot swing the placement alone.
+        self.load_history: np.ndarray | None = None  # [L, E] float64
+
+    LOAD_DECAY = 0.5
 
     def rebalance(self, move_weights: bool) -> tuple[list[float], list[float]]:
         """Sum the group's expert loads since the last call; with `move_weights`, adopt the
@@ -79,10 +84,12 @@ class ExpertParallel:
         total = eplb.all_reduce_load(load, self.group.cpu_group)
         before = eplb.imbalance(total, self.placement)
         self.last_imbalance = before.tolist()  # observed: the window ran under the old placement
+        history = total.astype(np.float64) if self.load_history is None else self.LOAD_DECAY * self.load_history + total
+        self.load_history = history  # identical on every rank: built from all-reduced loads only
         if not move_weights or total.sum() == 0:
             return before.tolist(), before.tolist()
         t0 = time.perf_counter()
-        new = eplb.rebalance(total, self.placement.num_ranks, self.parallel.num_redundant_experts)
+        new = eplb.rebalance(history, self.placement.num_ranks, self.parallel.num_redundant_experts)
         plan = eplb.migration_plan(self.placement, new)
         for layer, (moe, ep) in enumerate(zip(self.layers, self.dispatchers)):
             tensors = eplb.migrate_expert_weights(moe.experts.state_dict(), plan, layer, new.slots_per_rank,

@@ -22,7 +22,7 @@ from typing import Callable
 from ipc.messages import INT64_MAX, Finished, SamplingParams, StepOutputs
 
 from .engine import Engine
-from .lockstep import IDLE_POLL_S, Lockstep, StepPlan
+from .lockstep import IDLE_PARK_S, Lockstep, StepPlan
 from .request import RequestError
 
 logger = logging.getLogger(__name__)
@@ -53,17 +53,18 @@ class Worker:
     # ---- commands (call from the worker's event loop thread) ------------------------------
     def submit(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self._commands.append(("submit", request_id, prompt_token_ids, params))
-        self._wake()
+        self.wake()
 
     def abort(self, request_ids: list[int]) -> None:
         self._commands.append(("abort", request_ids))
-        self._wake()
+        self.wake()
 
     def stop(self) -> None:
         self._stopping = True
-        self._wake()
+        self.wake()
 
-    def _wake(self) -> None:
+    def wake(self) -> None:
+        """Run the loop now (a command arrived, or a parked group's peer got work)."""
         if self._wakeup is not None:
             self._wakeup.set()
 
@@ -147,7 +148,7 @@ class Worker:
                 self._wakeup.clear()
                 if not self._commands:
                     try:
-                        await asyncio.wait_for(self._wakeup.wait(), IDLE_POLL_S)
+                        await asyncio.wait_for(self._wakeup.wait(), IDLE_PARK_S)
                     except TimeoutError:
                         pass
                 continue

@@ -24,7 +24,7 @@ import time
 import torch
 
 from ipc import (Abort, Heartbeat, IpcError, RingReader, RingTimeout, RingWriter, Shutdown, StepOutputs, Submit,
-                 WorkerReady, decode, encode)
+                 Wake, WorkerReady, decode, encode)
 from ipc.errors import MessageTooLarge
 from ipc.loop import new_event_loop
 
@@ -177,6 +177,8 @@ async def _drain(worker: Worker, reader: RingReader, name: str) -> None:
             worker.submit(msg.request_id, msg.prompt_token_ids, msg.params)
         elif isinstance(msg, Abort):
             worker.abort(msg.request_ids)
+        elif isinstance(msg, Wake):
+            worker.wake()
         elif isinstance(msg, Shutdown):
             worker.stop()
             return

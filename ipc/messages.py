@@ -80,6 +80,11 @@ class Shutdown(Struct, frozen=True, array_like=True, tag=3):
     reason: str
 
 
+class Wake(Struct, frozen=True, array_like=True, tag=7):
+    """A peer of this rank's expert-parallel group got work while the group was parked: join the
+    next agreement now (sent on the control ring by the engine client)."""
+
+
 class TokenDelta(Struct, frozen=True, array_like=True):
     """Tokens one request generated since its last delta."""
 
@@ -147,7 +152,7 @@ class Heartbeat(Struct, frozen=True, array_like=True, tag=6):
     eplb_rebalances: Count = 0
 
 
-ToWorker = Union[Submit, Abort, Shutdown]
+ToWorker = Union[Submit, Abort, Shutdown, Wake]
 FromWorker = Union[WorkerReady, Heartbeat, StepOutputs, Shutdown]
-Message = Union[Submit, Abort, Shutdown, StepOutputs, WorkerReady, Heartbeat]
-MESSAGE_TYPES: tuple[type, ...] = (Submit, Abort, Shutdown, StepOutputs, WorkerReady, Heartbeat)
+Message = Union[Submit, Abort, Shutdown, Wake, StepOutputs, WorkerReady, Heartbeat]
+MESSAGE_TYPES: tuple[type, ...] = (Submit, Abort, Shutdown, Wake, StepOutputs, WorkerReady, Heartbeat)

@@ -35,7 +35,7 @@ from typing import AsyncIterator, Union
 
 from engine.config import EngineConfig, ParallelConfig
 from ipc import (Abort, Finished, Heartbeat, IpcError, RingClosed, RingConfig, RingTimeout, SamplingParams, Shutdown,
-                 StepOutputs, Submit, TokenDelta, WorkerReady, decode, encode)
+                 StepOutputs, Submit, TokenDelta, Wake, WorkerReady, decode, encode)
 from ipc.segment import remove_orphans
 
 from .links import LocalLink, NodeChannel, RankLink
@@ -226,6 +226,7 @@ class EngineClient:
             return
         r = self.ranks[rank]
         queue: asyncio.Queue = asyncio.Queue()
+        parked = self.parallel.grouped and not any(x.inflight for x in self.ranks)
         self._queues[rid] = queue
         self._owner[rid] = rank
         r.inflight.add(rid)
@@ -233,6 +234,8 @@ class EngineClient:
         try:
             await r.link.send("requests", encode(Submit(rid, prompt_token_ids, params),
                                                   max_bytes=r.link.capacity("requests")), timeout=30.0)
+            if parked:
+                await self._wake_group(r)
             while True:
                 item: Output = await queue.get()
                 finished = isinstance(item, Finished)
@@ -243,6 +246,17 @@ class EngineClient:
             if not finished:
                 self.abort(rid)
             self._forget(rid)
+
+    async def _wake_group(self, busy: _Rank) -> None:
+        """The group was parked: wake every other rank, so it joins `busy`'s next agreement now
+        rather than after its park timeout."""
+        wake = encode(Wake())
+        for x in self.ranks:
+            if x is not busy and x.alive:
+                try:
+                    await x.link.send("control", wake, timeout=0.1)
+                except IpcError:  # a full control ring: the rank's bounded park still ends
+                    pass
 
     def new_request_id(self) -> int:
         rid = self._next_id

@@ -118,6 +118,14 @@ class Metrics:
         self.loop_pause_max_seconds = gauge(
             "loop_pause_max_seconds", "Longest engine-loop pause seen in the last stats interval.")
 
+        # Expert parallelism (from the group's last EPLB window; the same on every rank).
+        self._expert_imbalance = Gauge(PREFIX + "expert_imbalance", "Per MoE layer: max over mean expert-parallel "
+                                       "rank load in the last EPLB window (1.0 = balanced).", [*ln, "layer"],
+                                       registry=r)
+        self.expert_imbalance_max = gauge("expert_imbalance_max", "Worst MoE layer's expert_imbalance.")
+        self.eplb_rebalances = counter("eplb_num_rebalances", "Expert placements rebalanced (weights moved).")
+        self._last_rebalances = 0
+
         # Counters.
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens of finished requests.")
@@ -216,6 +224,15 @@ class Metrics:
             last[pos] = int(total)
         if accepted:
             self.spec_accepted_tokens.inc(accepted)
+
+    def set_expert_parallel_stats(self, imbalance_per_layer: Sequence[float], rebalances_total: int) -> None:
+        """Publish the expert-parallel group's load: per-layer imbalance of its last EPLB window
+        and the cumulative count of rebalances (counter semantics as in set_engine_stats)."""
+        for layer, value in enumerate(imbalance_per_layer):
+            self._expert_imbalance.labels(self.model_name, str(layer)).set(value)
+        self.expert_imbalance_max.set(max(imbalance_per_layer, default=1.0))
+        self._last_rebalances = self._advance(self.eplb_rebalances, self._last_rebalances, rebalances_total,
+                                              "eplb_rebalances")
 
     @staticmethod
     def _delta(last: int, new: int, what: str) -> int:
