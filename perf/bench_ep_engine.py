@@ -4,7 +4,7 @@ Three tables, all through `EngineClient` (the path `serve` takes) on one random-
 
 1. Throughput: the same requests at DP2 (every rank holds every expert) and DP2+EP (each rank
    holds half), output tok/s and each rank's routed-expert bytes.
-2. EPLB under skewed expert load (a model with hot experts, all on one rank at start): the
+2. EPLB under skewed expert load (a model whose hot experts all start on rank 0): the
    per-layer expert imbalance (max/mean of per-rank expert tokens) of the first EPLB window and of
    the last, with and without --enable-eplb (same redundant experts, same windows).
 3. DP imbalance (the router's max/mean outstanding tokens per rank, sampled every 100 ms) under
@@ -40,10 +40,10 @@ def cpu_model() -> str:
     return "unknown CPU"
 
 
-def make_model(out: Path, experts: int, top_k: int, hot: int = 0) -> Path:
-    """A random tiny model; with `hot` > 0, experts 0..hot-1 of every layer are hot (a router
-    bias that always selects them; the hash layers' table sends every token to experts
-    0..top_k-1): the skew real models show, all on rank 0 under the initial contiguous placement."""
+def make_model(out: Path, experts: int, top_k: int, hot: list[int] | None = None) -> Path:
+    """A random tiny model; with `hot` (top_k expert ids), those experts of every layer are hot
+    (a router bias that always selects them; the hash layers' table sends every token to them):
+    the skew real models show."""
     import torch
 
     from engine.checkpoint import preset_config, random_state, write_checkpoint
@@ -52,11 +52,25 @@ def make_model(out: Path, experts: int, top_k: int, hot: int = 0) -> Path:
     state = random_state(cfg, 0)
     for name, t in state.items():
         if hot and name.endswith("ffn.gate_bias"):
-            t[:hot] += 5.0
+            t[hot] += 5.0
         elif hot and name.endswith("ffn.tid2eid"):
-            t.copy_(torch.arange(top_k, dtype=t.dtype).repeat(t.shape[0], 1))  # experts 0..k-1 for every token
+            t.copy_(torch.tensor(hot, dtype=t.dtype).repeat(t.shape[0], 1))  # the hot experts for every token
     write_checkpoint(out, cfg, state, layout="upstream", dtype=torch.float32)
     return out
+
+
+def experts_of_rank0_at_start(experts: int, redundant: int, ranks: int, k: int) -> list[int]:
+    """k logical experts that the starting placement (EPLB of a uniform load) puts on rank 0 only."""
+    import numpy as np
+
+    from engine import eplb
+
+    start = eplb.rebalance(np.ones((1, experts)), ranks, redundant)
+    others = {int(e) for r in range(1, ranks) for e in start.local_experts(0, r)}
+    mine = [int(e) for e in dict.fromkeys(start.local_experts(0, 0).tolist()) if int(e) not in others]
+    if len(mine) < k:
+        raise SystemExit(f"rank 0 holds only {len(mine)} experts of its own; use more experts")
+    return mine[:k]
 
 
 def config() -> EngineConfig:
@@ -165,8 +179,9 @@ def main() -> None:
             mib = "/".join(f"{b / 2**20:.2f}" for b in expert_bytes_per_rank(model_dir, par))
             print(f"{name:10} {r['wall']:7.2f} {r['tokens'] / r['wall']:10.1f} {mib:>20}")
 
-        hot_dir = make_model(Path(tmp) / "hot", args.experts, args.top_k, hot=args.top_k)
-        print(f"\n## 2. EPLB, skewed load (experts 0-{args.top_k - 1} hot in every layer, all on rank 0 at start), "
+        hot = experts_of_rank0_at_start(args.experts, 2, 2, args.top_k)
+        hot_dir = make_model(Path(tmp) / "hot", args.experts, args.top_k, hot=hot)
+        print(f"\n## 2. EPLB, skewed load (experts {hot} hot in every layer, all on rank 0 at start), "
               f"2 redundant experts, window {args.eplb_interval} steps")
         print(f"{'setup':18} {'first window max/mean':>22} {'last window':>12} {'rebalances':>11}")
         for eplb in (False, True):
