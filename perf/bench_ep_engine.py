@@ -11,7 +11,7 @@ Three tables, all through `EngineClient` (the path `serve` takes) on one random-
    the AgentX-like workload of `ringserve bench` (prompt and output lengths of its sessions,
    submitted turn by turn, sessions concurrent), token-load routing.
 
-    python perf/bench_ep_engine.py [--requests 32] [--max-tokens 24] [--experts 16] [--top-k 4]
+    python perf/bench_ep_engine.py [--requests 32] [--max-tokens 24] [--experts 16] [--top-k 4] [--tables 1 2 3]
 """
 
 from __future__ import annotations
@@ -159,6 +159,7 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=16)
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--eplb-interval", type=int, default=8)
+    parser.add_argument("--tables", type=int, nargs="+", default=[1, 2, 3], choices=[1, 2, 3], help="which tables to run")
     args = parser.parse_args()
     rng = random.Random(0)
     uniform = [([rng.randrange(3, 500) for _ in range(rng.randint(8, 64))], args.max_tokens)
@@ -171,74 +172,86 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_model(Path(tmp) / "m", args.experts, args.top_k)
 
-        print(f"\n## 1. throughput, {args.requests} requests × {args.max_tokens} tokens, all at once")
-        print(f"{'setup':10} {'wall s':>7} {'out tok/s':>10} {'expert MiB per rank':>20}")
-        for name, par in (("DP2", ParallelConfig(data_parallel_size=2)),
-                          ("DP2+EP", ParallelConfig(data_parallel_size=2, enable_expert_parallel=True))):
-            r = loop.run_until_complete(_serve(model_dir, par, uniform))
-            mib = "/".join(f"{b / 2**20:.2f}" for b in expert_bytes_per_rank(model_dir, par))
-            print(f"{name:10} {r['wall']:7.2f} {r['tokens'] / r['wall']:10.1f} {mib:>20}")
-
-        hot = experts_of_rank0_at_start(args.experts, 2, 2, args.top_k)
-        hot_dir = make_model(Path(tmp) / "hot", args.experts, args.top_k, hot=hot)
-        print(f"\n## 2. EPLB, skewed load (experts {hot} hot in every layer, all on rank 0 at start), "
-              f"2 redundant experts, window {args.eplb_interval} steps")
-        print(f"{'setup':18} {'first window max/mean':>22} {'last window':>12} {'rebalances':>11}")
-        for eplb in (False, True):
-            par = ParallelConfig(data_parallel_size=2, enable_expert_parallel=True, num_redundant_experts=2,
-                                 enable_eplb=eplb, eplb_step_interval=args.eplb_interval)
-            r = loop.run_until_complete(_serve(hot_dir, par, skewed))
-            windows = [b[0].expert_imbalance for b in r["beats"] if b[0] is not None and b[0].expert_imbalance
-                       and any(v != 1.0 for v in b[0].expert_imbalance)]
-            first = statistics.mean(windows[0]) if windows else float("nan")
-            last = statistics.mean(windows[-1]) if windows else float("nan")
-            label = "EP, EPLB" if eplb else "EP, measure only"
-            print(f"{label:18} {first:22.3f} {last:12.3f} {r['beats'][-1][0].eplb_rebalances:11d}")
-
-        print("\n## 3. DP imbalance (router max/mean outstanding tokens) under the AgentX-like workload, DP2+EP")
-        sessions = agentx_requests()
-        samples: list[float] = []
-
-        def sample(client):
-            loads = client.router.loads()
-            if loads and sum(loads) > 0:
-                samples.append(max(loads) / (sum(loads) / len(loads)))
-
-        async def agentx_run():
-            client_par = ParallelConfig(data_parallel_size=2, enable_expert_parallel=True)
-            client = EngineClient(model_dir, config(), threads_per_worker=1, parallel=client_par)
-            await client.start()
-            try:
-                done = asyncio.Event()
-
-                async def watch():
-                    while not done.is_set():
-                        sample(client)
-                        await asyncio.sleep(0.1)
-
-                async def session(i, turns):
-                    r = random.Random(i)
-                    for prompt, out in turns:
-                        ids = [r.randrange(3, 500) for _ in range(prompt)]
-                        async for _ in client.generate(ids, SamplingParams(max_tokens=out, ignore_eos=True),
-                                                       session=f"s{i}"):
-                            pass
-
-                watcher = asyncio.ensure_future(watch())
-                t0 = time.perf_counter()
-                await asyncio.gather(*(session(i, t) for i, t in enumerate(sessions)))
-                wall = time.perf_counter() - t0
-                done.set()
-                await watcher
-                return wall
-            finally:
-                await client.shutdown()
-
-        wall = loop.run_until_complete(agentx_run())
-        turns = sum(len(t) for t in sessions)
-        print(f"{len(sessions)} sessions, {turns} turns, {wall:.1f} s: max/mean mean {statistics.mean(samples):.3f}, "
-              f"median {statistics.median(samples):.3f}, p90 {sorted(samples)[int(0.9 * len(samples))]:.3f}")
+        if 1 in args.tables:
+            throughput_table(loop, model_dir, uniform, args)
+        if 2 in args.tables:
+            eplb_table(loop, Path(tmp), skewed, args)
+        if 3 in args.tables:
+            agentx_table(loop, model_dir)
     loop.close()
+
+
+def throughput_table(loop, model_dir: Path, requests, args) -> None:
+    print(f"\n## 1. throughput, {args.requests} requests × {args.max_tokens} tokens, all at once")
+    print(f"{'setup':10} {'wall s':>7} {'out tok/s':>10} {'expert MiB per rank':>20}")
+    for name, par in (("DP2", ParallelConfig(data_parallel_size=2)),
+                      ("DP2+EP", ParallelConfig(data_parallel_size=2, enable_expert_parallel=True))):
+        r = loop.run_until_complete(_serve(model_dir, par, requests))
+        mib = "/".join(f"{b / 2**20:.2f}" for b in expert_bytes_per_rank(model_dir, par))
+        print(f"{name:10} {r['wall']:7.2f} {r['tokens'] / r['wall']:10.1f} {mib:>20}")
+
+
+def eplb_table(loop, tmp: Path, requests, args) -> None:
+    hot = experts_of_rank0_at_start(args.experts, 2, 2, args.top_k)
+    hot_dir = make_model(tmp / "hot", args.experts, args.top_k, hot=hot)
+    print(f"\n## 2. EPLB, skewed load (experts {hot} hot in every layer, all on rank 0 at start), "
+          f"2 redundant experts, window {args.eplb_interval} steps")
+    print(f"{'setup':18} {'first window max/mean':>22} {'last window':>12} {'rebalances':>11}")
+    for eplb in (False, True):
+        par = ParallelConfig(data_parallel_size=2, enable_expert_parallel=True, num_redundant_experts=2,
+                             enable_eplb=eplb, eplb_step_interval=args.eplb_interval)
+        r = loop.run_until_complete(_serve(hot_dir, par, requests))
+        # Rank 0's heartbeats carry the imbalance of the last finished window (every rank the same):
+        # valid once the first window closed, i.e. from step eplb_interval on.
+        windows = [b[0].expert_imbalance for b in r["beats"]
+                   if b[0] is not None and b[0].expert_imbalance and b[0].step >= args.eplb_interval]
+        first = statistics.mean(windows[0]) if windows else float("nan")
+        last = statistics.mean(windows[-1]) if windows else float("nan")
+        label = "EP, EPLB" if eplb else "EP, measure only"
+        print(f"{label:18} {first:22.3f} {last:12.3f} {r['beats'][-1][0].eplb_rebalances:11d}")
+
+
+def agentx_table(loop, model_dir: Path) -> None:
+    print("\n## 3. DP imbalance (router max/mean outstanding tokens) under the AgentX-like workload, DP2+EP")
+    sessions = agentx_requests()
+    samples: list[float] = []
+
+    async def run() -> float:
+        client_par = ParallelConfig(data_parallel_size=2, enable_expert_parallel=True)
+        client = EngineClient(model_dir, config(), threads_per_worker=1, parallel=client_par)
+        await client.start()
+        try:
+            done = asyncio.Event()
+
+            async def watch():
+                while not done.is_set():
+                    loads = client.router.loads()
+                    if loads and sum(loads) > 0:
+                        samples.append(max(loads) / (sum(loads) / len(loads)))
+                    await asyncio.sleep(0.1)
+
+            async def session(i, turns):
+                r = random.Random(i)
+                for prompt, out in turns:
+                    ids = [r.randrange(3, 500) for _ in range(prompt)]
+                    async for _ in client.generate(ids, SamplingParams(max_tokens=out, ignore_eos=True),
+                                                   session=f"s{i}"):
+                        pass
+
+            watcher = asyncio.ensure_future(watch())
+            t0 = time.perf_counter()
+            await asyncio.gather(*(session(i, t) for i, t in enumerate(sessions)))
+            wall = time.perf_counter() - t0
+            done.set()
+            await watcher
+            return wall
+        finally:
+            await client.shutdown()
+
+    wall = loop.run_until_complete(run())
+    turns = sum(len(t) for t in sessions)
+    print(f"{len(sessions)} sessions, {turns} turns, {wall:.1f} s: max/mean mean {statistics.mean(samples):.3f}, "
+          f"median {statistics.median(samples):.3f}, p90 {sorted(samples)[int(0.9 * len(samples))]:.3f}")
 
 
 if __name__ == "__main__":
