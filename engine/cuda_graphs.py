@@ -26,6 +26,7 @@ import torch
 
 from .attention_backend import StepSeq
 from .decode_batch import DecodeBatch
+from .fused_decode import FusedDecoder
 from .kv_cache import KVCache
 from .model import DeepseekV4
 
@@ -76,7 +77,8 @@ class StaticStep:
 
 class StaticDecodeBackend:
     def __init__(self, model: DeepseekV4, cache: KVCache, batch_sizes: tuple[int, ...],
-                 tokens_per_seq: tuple[int, ...], max_model_len: int, capture: bool, draft_steps: bool = False):
+                 tokens_per_seq: tuple[int, ...], max_model_len: int, capture: bool, draft_steps: bool = False,
+                 fused: bool = True):
         if not batch_sizes or min(batch_sizes) < 1:
             raise ValueError(f"--cuda-graph-sizes must be positive batch sizes, got {list(batch_sizes)}")
         self.model, self.cache = model, cache
@@ -88,6 +90,9 @@ class StaticDecodeBackend:
         # Sliding blocks a table can hold at a step: the kept window plus the step, across block edges.
         self.sliding_blocks = -(-(cache.manager.keep + 2 * max(self.tokens_per_seq)) // b) + 2
         self.capture = capture and torch.device(cache.device).type == "cuda"
+        # The forward a shape runs: the fused kernels (engine/fused_decode.py; Triton on CUDA,
+        # the CPU kernels on CPU) or the torch static path (engine/attention_decode.py).
+        self.fused = FusedDecoder(model) if fused else None
         self._shapes: dict[Key, _Shape] = {}
         self._pool = None
         self.num_runs = 0  # static-shape steps run
@@ -166,12 +171,15 @@ class StaticDecodeBackend:
         return row.token_ids, row.start, table.full[: batch.full_table.shape[1]], sliding, first
 
     def _forward(self, shape: _Shape) -> tuple[torch.Tensor, torch.Tensor]:
-        batch = shape.batch
+        batch, fused = shape.batch, self.fused
         if shape.inputs is None:
-            streams = self.model(batch.token_ids, batch.positions, batch)
+            streams = fused.forward(batch) if fused else self.model(batch.token_ids, batch.positions, batch)
             return streams, self.model.logits(streams)
         mtp = self.model.mtp[0]
-        streams = mtp(self.model, shape.inputs, batch.token_ids, batch.positions, batch)
+        if fused:
+            streams = fused.forward_mtp(shape.inputs, batch)
+        else:
+            streams = mtp(self.model, shape.inputs, batch.token_ids, batch.positions, batch)
         return streams, mtp.logits(self.model, streams)
 
     # ---- capture (CUDA only) -----------------------------------------------------------------
