@@ -68,6 +68,8 @@ class FusedDecoder:
         self.shared = [PackedLinear([b.ffn.shared_w1, b.ffn.shared_w3]) if cfg.n_shared_experts else None
                        for b in blocks]
         self.spans = compressor_spans(cfg, range(cfg.num_layers))
+        # Test/bench hook: called with the layer index before each layer, None after the last.
+        self.on_layer = None
 
     # ---- entry points ----------------------------------------------------------------------------
     def forward(self, batch: DecodeBatch) -> torch.Tensor:
@@ -77,7 +79,11 @@ class FusedDecoder:
         rope = model.step_rope(batch.positions)
         streams = model.embed[batch.token_ids].unsqueeze(1).expand(-1, model.cfg.hc_mult, -1).contiguous()
         for i, block in enumerate(model.layers):
+            if self.on_layer is not None:
+                self.on_layer(i)
             streams = self.block(i, block, streams, batch.token_ids, rope, batch, meta)
+        if self.on_layer is not None:
+            self.on_layer(None)
         return streams
 
     def forward_mtp(self, inputs: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
