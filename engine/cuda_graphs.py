@@ -49,7 +49,7 @@ Key = tuple[str, int, int, int]  # (kind, B, q, C)
 @dataclass
 class _Shape:
     batch: DecodeBatch
-    inputs: torch.Tensor | None = None  # 'mtp': [B, n, D] the previous draft's streams (static)
+    inputs: torch.Tensor | None = None  # 'mtp': [B·q, n, D] the target's / previous draft's streams (static)
     graph: "torch.cuda.CUDAGraph | None" = None
     streams: torch.Tensor | None = None  # [B·q, n, D] outputs of the last run (static under a graph)
     logits: torch.Tensor | None = None  # [B·q, vocab] fp32
@@ -61,6 +61,20 @@ class StaticStep:
     def __init__(self, backend: "StaticDecodeBackend", shape: _Shape, num_rows: int):
         self.backend, self.shape, self.num_rows = backend, shape, num_rows
 
+    def set_token_ids(self, token_ids: torch.Tensor) -> None:
+        """The live rows' token ids [n·q] from a device tensor (tokens sampled on the device)."""
+        self.shape.batch.token_ids[: token_ids.shape[0]].copy_(token_ids)
+
+    def advance(self, start: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """A q = 1 step whose positions are known on the device only: live row i at position
+        start[i] with token token_ids[i]. Its tables were filled for a start no larger (so they
+        cover every position it can now reach)."""
+        batch, n = self.shape.batch, start.shape[0]
+        assert batch.tokens_per_seq == 1 and n == self.num_rows
+        batch.start[:n].copy_(start)
+        batch.positions[:n].copy_(start)
+        batch.token_ids[:n].copy_(token_ids)
+
     def run(self, model, logit_rows: list[int] | None, inputs: torch.Tensor | None = None):
         """Streams [n·q, hc, D] of the live rows and the logits of `logit_rows` (None: all):
         views of static outputs where possible, valid until the next run. 'mtp' shapes take the
@@ -68,7 +82,7 @@ class StaticStep:
         are increasing, so asking for n of n rows means all of them."""
         shape = self.shape
         if shape.inputs is not None:
-            shape.inputs[: self.num_rows].copy_(inputs)
+            shape.inputs[: inputs.shape[0]].copy_(inputs)
         self.backend.replay(shape)
         n = self.num_rows * shape.batch.tokens_per_seq
         logits = shape.logits[:n] if logit_rows is None or len(logit_rows) == n else shape.logits[logit_rows]
@@ -110,13 +124,14 @@ class StaticDecodeBackend:
             return None
         return "model", size, q, bucket
 
-    def mtp_shape_for(self, num_seqs: int) -> Key | None:
-        """The smallest MTP draft-step shape for `num_seqs` sequences (it reads only its window,
-        so any context fits the smallest bucket), or None."""
-        if not self.draft_steps:
+    def mtp_shape_for(self, num_seqs: int, q: int = 1) -> Key | None:
+        """The smallest MTP shape for `num_seqs` sequences of q tokens (q = 1: a draft step; the
+        catch-up after a verify step: 1 + drafts), or None. It reads only its window, so any
+        context fits the smallest bucket."""
+        if not self.draft_steps or (q != 1 and q not in self.tokens_per_seq):
             return None
         size = next((s for s in self.batch_sizes if s >= num_seqs), None)
-        return None if size is None else ("mtp", size, 1, self.buckets[0])
+        return None if size is None else ("mtp", size, q, self.buckets[0])
 
     def prepare(self, rows: list[StepSeq], kind: str = "model") -> StaticStep | None:
         """Fill the smallest shape that holds these rows (all with the same number q of tokens),
@@ -125,7 +140,7 @@ class StaticDecodeBackend:
         if any(len(r.token_ids) != q for r in rows):
             return None
         if kind == "mtp":
-            key = self.mtp_shape_for(len(rows)) if q == 1 else None
+            key = self.mtp_shape_for(len(rows), q)
         else:
             key = self.shape_for(len(rows), q, max(r.start for r in rows) + q)
         if key is None:
@@ -143,7 +158,7 @@ class StaticDecodeBackend:
             shape = self._shapes[key] = _Shape(batch)
             if kind == "mtp":
                 cfg = self.model.cfg
-                shape.inputs = torch.zeros(size, cfg.hc_mult, cfg.hidden_size, dtype=self.model.dtype,
+                shape.inputs = torch.zeros(size * q, cfg.hc_mult, cfg.hidden_size, dtype=self.model.dtype,
                                            device=self.cache.device)
             if self.capture:
                 self._capture(shape)
@@ -190,7 +205,7 @@ class StaticDecodeBackend:
             return 0
         keys = [("model", s, q, c) for c in self.buckets for q in self.tokens_per_seq for s in self.batch_sizes]
         if self.draft_steps:
-            keys += [("mtp", s, 1, self.buckets[0]) for s in self.batch_sizes]
+            keys += [("mtp", s, q, self.buckets[0]) for q in sorted({1, *self.tokens_per_seq}) for s in self.batch_sizes]
         free_before, t0 = torch.cuda.mem_get_info()[0], time.perf_counter()
         for key in sorted(keys, key=lambda k: k[1:], reverse=True):
             self._get(key)
