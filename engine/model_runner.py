@@ -217,7 +217,7 @@ class ModelRunner:
             if j == num_drafts:
                 break
             step, host = self._draft_step(reqs, committed, j, toks, sample, host, live)
-            cur, logits = step.run(self.model, None, inputs=cur)
+            cur, logits = step.run(self.model, list(range(len(live))), inputs=cur)  # every row
         if not live:
             return None, host
         stacked = None if greedy else torch.stack(probs_per_step, dim=1)  # [R, k, V]
