@@ -26,7 +26,7 @@ def cuda_sources() -> list[Path]:
 def _header_candidates() -> list[Path]:
     """Include dirs that may hold the CUDA headers, in the order they are preferred: the toolkit
     named by $CUDA_PATH / $CUDA_HOME, the pip wheels (CUDA 13's nvidia/cu13 layout, CUDA 12's
-    nvidia-cuda-runtime-cu12), the toolkit of the nvcc on PATH, /usr/local/cuda."""
+    nvidia-cuda-runtime-cu12), the toolkit of the nvcc on PATH, /usr/local/cuda, Triton's copy."""
     dirs = [Path(os.environ[v]) / "include" for v in ("CUDA_PATH", "CUDA_HOME") if os.environ.get(v)]
     nvidia = importlib.util.find_spec("nvidia")
     for root in (nvidia.submodule_search_locations if nvidia and nvidia.submodule_search_locations else []):
@@ -35,6 +35,9 @@ def _header_candidates() -> list[Path]:
     if nvcc:
         dirs.append(Path(nvcc).resolve().parent.parent / "include")
     dirs.append(Path("/usr/local/cuda/include"))
+    triton = importlib.util.find_spec("triton")
+    if triton and triton.submodule_search_locations:  # Triton bundles the headers of its ptxas
+        dirs += [Path(p) / "backends" / "nvidia" / "include" for p in triton.submodule_search_locations]
     return dirs
 
 

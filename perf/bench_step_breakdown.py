@@ -117,11 +117,14 @@ def unfilled(model, kv_dtype: str, batch: int, context: int):
     """A cache with `batch` sequences allocated up to `context` (+1 for the step), not prefilled."""
     block_size = max(64, *model.cfg.compress_ratios)  # a multiple of every compress ratio
     blocks = batch * (-(-(context + 2) // block_size) + 1) + 4
-    cache = KVCache.for_model(model, kv_dtype, max_num_seqs=batch, num_full_blocks=blocks, block_size=block_size)
+    chunk = 1024  # allocated the way a chunked prefill would (the sliding blocks recycle)
+    cache = KVCache.for_model(model, kv_dtype, max_num_seqs=batch, max_tokens_per_step=chunk,
+                              num_full_blocks=blocks, block_size=block_size)
     rows = []
     for i in range(batch):
         seq = cache.new_sequence()
-        assert cache.allocate(seq, 0, context + 1), "KV pool too small"
+        for start in range(0, context + 1, chunk):
+            assert cache.allocate(seq, start, min(start + chunk, context + 1)), "KV pool too small"
         rows.append(StepSeq(seq, context, [7 + i]))
     return cache, rows
 
