@@ -60,7 +60,7 @@ class Engine:
             depths = tuple(range(1, k + 2)) if config.adaptive_speculation else (1, 1 + k)
             self.static = StaticDecodeBackend(model, self.cache, config.cuda_graph_sizes, depths, max_len,
                                               capture=model.device.type == "cuda" and not config.enforce_eager,
-                                              draft_steps=k > 1)
+                                              draft_steps=k > 0)
             self.static.capture_all()
         self.runner = ModelRunner(model, self.cache, k, self.static)
         self.spec_control = SpeculationControl(k) if k and config.adaptive_speculation else None
