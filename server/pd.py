@@ -38,6 +38,8 @@ def add_pd_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-lease-timeout", type=float, default=30.0,
                    help="prefill: seconds unread KV blocks stay held without a decode's renewal")
     g.add_argument("--kv-transfer-timeout", type=float, default=30.0, help="decode: seconds one KV READ may take")
+    g.add_argument("--kv-connect-timeout", type=float, default=10.0,
+                   help="decode: seconds the NIXL metadata exchange and compatibility handshake with a prefill may take")
     g.add_argument("--kv-peer-idle-timeout", type=float, default=120.0,
                    help="forget a silent KV peer (a decode that died, an unused prefill) after this many seconds")
     g.add_argument("--kv-replay-tokens", type=int, default=0,
@@ -56,7 +58,8 @@ def kv_transfer_config_from(args: argparse.Namespace, model_dir: Path | None) ->
     if not 0 <= args.kv_transfer_port <= 65535 - max(1, args.dp):
         raise ValueError(f"--kv-transfer-port must leave room for {args.dp} ranks below 65536")
     for flag, value in (("--kv-lease-timeout", args.kv_lease_timeout), ("--kv-transfer-timeout",
-                        args.kv_transfer_timeout), ("--kv-peer-idle-timeout", args.kv_peer_idle_timeout)):
+                        args.kv_transfer_timeout), ("--kv-peer-idle-timeout", args.kv_peer_idle_timeout),
+                       ("--kv-connect-timeout", args.kv_connect_timeout)):
         if not 0 < value <= 86400:
             raise ValueError(f"{flag} must be in (0, 86400] seconds, got {value}")
     if args.kv_replay_tokens < 0:
@@ -64,6 +67,7 @@ def kv_transfer_config_from(args: argparse.Namespace, model_dir: Path | None) ->
     return KVTransferConfig(role=args.kv_role, transport=args.kv_transfer, host=advertised_host(args),
                             port=args.kv_transfer_port, failure_policy=args.kv_load_failure_policy,
                             lease_s=args.kv_lease_timeout, transfer_timeout_s=args.kv_transfer_timeout,
+                            connect_timeout_s=args.kv_connect_timeout,
                             model_id=model_fingerprint(model_dir) if model_dir else "", idle_peer_s=args.kv_peer_idle_timeout,
                             replay_tokens=args.kv_replay_tokens)
 
