@@ -112,9 +112,18 @@ def _settles(server: Server, timeout: float = 10.0, **want) -> dict:
         time.sleep(0.1)
 
 
-def _holds_nothing(*servers: Server) -> None:
+def _holds_nothing(*servers: Server, timeout: float = 10.0) -> None:
+    """Every rank of each server: no lease, no load, no held or used KV block, no READ pending."""
+    want = dict(leases=0, loads=0, held_blocks=0, pending_transfers=0)
     for s in servers:
-        _settles(s, leases=0, loads=0, held_blocks=0, kv_blocks_used=0, pending_transfers=0)
+        deadline = time.monotonic() + timeout
+        while True:
+            ranks = s.get("/kv_transfer/stats", API_KEY)[1]["ranks"]
+            got = [({k: r["kv_transfer"][k] for k in want}, r["kv_blocks_used"]) for r in ranks]
+            if all(g == (want, 0) for g in got) or time.monotonic() > deadline:
+                assert all(g == (want, 0) for g in got), (s.url, got)
+                break
+            time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")

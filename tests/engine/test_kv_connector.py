@@ -352,3 +352,57 @@ def test_roles_refuse_the_other_sides_leg(engines):
     with pytest.raises(RequestError, match="does not decode"):
         pre.add_request(92, [3, 4, 5], GREEDY, kv)
     pre.connector.prefill.release(kv.remote_request_id, "test")
+
+
+# ---- replay (V4.1-style: only global rows cross) ---------------------------------------------
+@pytest.fixture(scope="module")
+def replay_engines(engines, checkpoint_factory):
+    """A prefill/decode pair with --kv-replay-tokens 16 (both sides: it is part of the
+    compatibility hash), and the colocated engine as the reference."""
+    _, _, col = engines
+    model = col.model
+    kv = KVTransferConfig(model_id="tiny@test", lease_s=5.0, idle_peer_s=60.0, replay_tokens=16)
+    pre = Engine(model, EngineConfig(**ENGINE, kv_transfer=msgspec.structs.replace(kv, role="prefill")))
+    dec = Engine(model, EngineConfig(**ENGINE, kv_transfer=msgspec.structs.replace(kv, role="decode")))
+    attach_connector(pre)
+    attach_connector(dec)
+    try:
+        yield pre, dec, col
+    finally:
+        dec.connector.close()
+        pre.connector.close()
+
+
+def test_replay_covering_the_whole_prompt_equals_colocated_and_moves_only_global_rows(replay_engines):
+    """n ≤ replay: the decode recomputes every position from the global rows it was sent (which
+    the replay rewrites), so greedy tokens are the colocated ones; the logprobs agree to float
+    rounding only (the replay computes prompt + first token as one chunk of 13 positions, the
+    colocated engine 12 then 1). No sliding row crosses."""
+    pre, dec, col = replay_engines
+    prompt = _prompt(12, seed=5)
+    want = _colocated(col, 51, prompt)
+    kv = _prefill(pre, dec, 52, prompt)
+    assert kv.group_blocks("sliding")[0] == []
+    got = _decode(pre, dec, 53, prompt, kv)
+    assert got[0] == want[0] and got[2].reason == "length"
+    assert got[1] == pytest.approx(want[1], abs=1e-5)
+    assert dec.connector.ctx.counters.last_bytes == make_plan(dec.cache.layout, 12, 16).nbytes
+    _settle(pre, dec, lambda: not pre.connector.prefill.leases)
+    for e in (pre, dec):
+        assert (e.cache.manager.full.num_used, e.cache.manager.sliding.num_used) == (0, 0)
+
+
+def test_bounded_replay_of_a_longer_prompt_completes_and_frees_everything(replay_engines):
+    """n > replay: positions before the replay point reach the decode only as global rows, so
+    the window rows the first replayed positions read are the decode's own (an approximation,
+    like vLLM's bounded replay for V4.1); the request must still run to the end and free."""
+    pre, dec, _ = replay_engines
+    prompt = _prompt(40, seed=6)
+    kv = _prefill(pre, dec, 54, prompt)
+    tokens, logprobs, done = _decode(pre, dec, 55, prompt, kv)
+    assert done.reason == "length" and len(tokens) == GREEDY.max_tokens
+    assert all(lp == lp and lp <= 0 for lp in logprobs)  # finite (no NaN) log-probabilities
+    assert dec.connector.ctx.counters.last_bytes == make_plan(dec.cache.layout, 40, 16).group_bytes("full")
+    _settle(pre, dec, lambda: not pre.connector.prefill.leases)
+    for e in (pre, dec):
+        assert (e.cache.manager.full.num_used, e.cache.manager.sliding.num_used) == (0, 0)
