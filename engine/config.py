@@ -20,6 +20,8 @@ from typing import Any
 
 import msgspec
 
+from engine.kv_transfer.config import KVTransferConfig  # PD disaggregation (msgspec only)
+
 SUPPORTED_MODEL_TYPES = ("deepseek_v4",)
 
 _LAYER_TYPE_TO_KIND = {
@@ -410,6 +412,8 @@ class EngineConfig:
     # Verify only as many of the k drafts as pay for themselves (engine/spec_control.py).
     adaptive_speculation: bool = True
     seed: int = 0
+    # --- PD disaggregation (engine/kv_connector.py): this engine's KV role and transport ---
+    kv_transfer: KVTransferConfig | None = None
 
     def __post_init__(self) -> None:
         checks = [

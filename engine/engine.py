@@ -65,24 +65,33 @@ class Engine:
         self.runner = ModelRunner(model, self.cache, k, self.static)
         self.spec_control = SpeculationControl(k) if k and config.adaptive_speculation else None
         self.stats = EngineStats(spec_accepted_per_position=[0] * k)
+        self.connector = None  # [kv-connector] PD disaggregation: engine.kv_connector.attach_connector sets it
 
     @property
     def max_model_len(self) -> int:
         return self.scheduler.config.max_model_len
 
-    def add_request(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+    def add_request(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams,
+                    kv_transfer_params=None) -> Request:
         """Queue a request; RequestError if it breaks an invariant the edge should have enforced
         (the worker turns that into a refused request, never a crash)."""
         vocab = self.model.cfg.vocab_size
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise RequestError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        if kv_transfer_params is not None:  # [kv-connector] a leg of a PD request
+            if self.connector is None:
+                raise RequestError("kv_transfer_params need a server started with --kv-transfer")
+            return self.connector.add_request(request_id, list(prompt_token_ids), params, kv_transfer_params)
         req = Request(request_id, list(prompt_token_ids), params)
         self.scheduler.add(req)
         return req
 
     def abort(self, request_id: int) -> Finished | None:
-        return self.scheduler.abort(request_id)
+        done = self.scheduler.abort(request_id)
+        if self.connector is not None:  # [kv-connector] a request waiting for remote KV
+            done = self.connector.abort(request_id) or done
+        return done
 
     @property
     def has_work(self) -> bool:
@@ -91,10 +100,17 @@ class Engine:
     def step(self) -> StepOutputs:
         """One schedule → execute → update round; empty outputs when there is nothing to run."""
         t0 = time.perf_counter()
+        loaded = self.kv_tick()  # [kv-connector]
         batch = self.scheduler.schedule()
         if not batch:
-            return StepOutputs([], [])
-        return self.run(batch, self.draft_wish(batch), t0=t0)
+            return loaded or StepOutputs([], [])
+        out = self.run(batch, self.draft_wish(batch), t0=t0)
+        return StepOutputs(loaded.deltas + out.deltas, loaded.finished + out.finished) if loaded else out
+
+    def kv_tick(self) -> StepOutputs | None:
+        """[kv-connector] Advance KV transfers: the first tokens and failures of remote-prefilled
+        requests whose loads ended (None: nothing to report, or no connector)."""
+        return self.connector.tick() if self.connector is not None else None
 
     def draft_wish(self, batch: Batch) -> int:
         """Drafts to propose after this batch (the speculation controller's choice, or k)."""
@@ -111,7 +127,11 @@ class Engine:
         step = self.runner.execute(batch, num_drafts, allow_static=allow_static, lockstep=lockstep)
         if not batch:
             return StepOutputs([], [])
+        if self.connector is not None:  # [kv-connector] hold remote-decode blocks before update frees them
+            self.connector.before_update(batch, step)
         deltas, finished = self.scheduler.update(batch, step)
+        if self.connector is not None:  # [kv-connector] their kv_transfer_params onto their Finished
+            finished = self.connector.attach(finished)
         if self.runner.k:
             self._count_acceptance(batch, step)
         if control is not None:

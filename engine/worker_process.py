@@ -30,6 +30,7 @@ from ipc.loop import new_event_loop
 
 from .config import ConfigError, EngineConfig, ModelConfig, ParallelConfig
 from .engine import Engine, default_dtype
+from .kv_connector import attach_connector
 from .lockstep import Lockstep, join_group
 from .distributed import RendezvousError
 from .expert_parallel import ExpertParallel, experts_to_load, initial_placement
@@ -81,6 +82,7 @@ def worker_main(args, device: str = "cpu") -> None:
     outbox = Outbox(writer)
     heartbeat: HeartbeatThread | None = None
     group = None
+    engine = None
     try:
         config = EngineConfig.from_json(args.engine_config)
         parallel = ParallelConfig.from_json(args.parallel_config)
@@ -88,6 +90,7 @@ def worker_main(args, device: str = "cpu") -> None:
             group = join_group(rank, parallel, args.master_port, args.generation)
         model, ep = _load(args.model_dir, config, parallel, device, group)
         engine = Engine(model, config)
+        attach_connector(engine, rank)  # [kv-connector] --kv-transfer: NIXL agent, pools registered
         worker = Worker(engine, outbox.send, Lockstep(group, ep, parallel) if group is not None else None)
         worker.warm_up()
         heartbeat = HeartbeatThread(rank, worker, status)
@@ -110,6 +113,8 @@ def worker_main(args, device: str = "cpu") -> None:
     finally:
         if heartbeat is not None:
             heartbeat.stop()
+        if engine is not None and engine.connector is not None:  # [kv-connector] leases, loads, NIXL agent
+            engine.connector.close()
         if group is not None:
             group.close()
         requests.close()
@@ -174,7 +179,7 @@ async def _drain(worker: Worker, reader: RingReader, name: str) -> None:
         except IpcError as exc:
             raise RingFailure(f"{name}: {type(exc).__name__}: {exc}") from None
         if isinstance(msg, Submit):
-            worker.submit(msg.request_id, msg.prompt_token_ids, msg.params)
+            worker.submit(msg.request_id, msg.prompt_token_ids, msg.params, msg.kv_transfer_params)
         elif isinstance(msg, Abort):
             worker.abort(msg.request_ids)
         elif isinstance(msg, Wake):
@@ -223,7 +228,8 @@ class HeartbeatThread(threading.Thread):
                          len(sched.running), len(sched.waiting), blocks.num_used, blocks.num_blocks, time.time(),
                          sched.num_preemptions, st.spec_drafts, st.spec_draft_tokens,
                          list(st.spec_accepted_per_position), worker.stats.max_loop_pause_s,
-                         list(ep.last_imbalance) if ep is not None else [], ep.rebalances if ep is not None else 0)
+                         list(ep.last_imbalance) if ep is not None else [], ep.rebalances if ep is not None else 0,
+                         engine.connector.last_stats if engine.connector is not None else None)  # [kv-connector]
 
     def stop(self) -> None:
         self._stop_event.set()

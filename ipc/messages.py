@@ -16,6 +16,8 @@ from typing import Annotated, Literal, Union
 
 from msgspec import Meta, Struct
 
+from engine.kv_transfer.protocol import KVTransferParams  # msgspec only: no torch, no NIXL
+
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -66,6 +68,8 @@ class Submit(Struct, frozen=True, array_like=True, tag=1):
     request_id: RequestId
     prompt_token_ids: list[TokenId]
     params: SamplingParams
+    # PD disaggregation: leg 1 (do_remote_decode) or leg 2 (do_remote_prefill, where the KV is).
+    kv_transfer_params: KVTransferParams | None = None
 
 
 class Abort(Struct, frozen=True, array_like=True, tag=2):
@@ -105,6 +109,8 @@ class Finished(Struct, frozen=True, array_like=True):
     error: str | None = None
     error_code: Annotated[int, Meta(ge=0, le=599)] = 0
     queued_s: Seconds = 0.0  # from arrival in the worker to its first scheduled step
+    # A prefill for a remote decode: where its KV is held (the HTTP response's kv_transfer_params).
+    kv_transfer_params: KVTransferParams | None = None
 
 
 class StepOutputs(Struct, frozen=True, array_like=True, tag=4):
@@ -150,6 +156,35 @@ class Heartbeat(Struct, frozen=True, array_like=True, tag=6):
     # window (empty without EP), and how many times the placement was rebalanced.
     expert_imbalance: list[Annotated[float, Meta(ge=0.0)]] = []
     eplb_rebalances: Count = 0
+    kv_transfer: KVTransferStats | None = None  # PD disaggregation (None: no --kv-transfer)
+
+
+class KVTransferStats(Struct, frozen=True, array_like=True):
+    """A rank's KV connector (PD disaggregation): what it holds now and cumulative counters."""
+
+    role: str
+    engine_id: str  # its NIXL agent name
+    port: Count  # its NIXL listener (0: decode only, ephemeral)
+    leases: Count  # prefill: requests whose blocks wait for a decode
+    held_blocks: Count  # blocks those leases (and loads) hold
+    loads: Count  # decode: requests waiting for remote KV
+    peers: list[str]  # prefill engines this rank READs from
+    served: list[str]  # decode engines that READ from this rank
+    connecting: Count
+    pending_transfers: Count
+    held: Count = 0
+    released: Count = 0
+    expired: Count = 0
+    loaded: Count = 0
+    failed: Count = 0
+    digest_failures: Count = 0
+    recomputed: Count = 0
+    bytes_read: Count = 0
+    read_s: Seconds = 0.0
+    last_connect_s: Seconds = 0.0
+    last_read_s: Seconds = 0.0
+    last_verify_s: Seconds = 0.0
+    last_bytes: Count = 0
 
 
 ToWorker = Union[Submit, Abort, Shutdown, Wake]

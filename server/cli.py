@@ -163,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     from server.serve import add_serve_parser
 
     add_serve_parser(sub, add_engine_args)
+    from server.proxy import add_proxy_parser
+
+    add_proxy_parser(sub)
     p = sub.add_parser("bench", help="serving benchmark client: bench serve | sweep | plot | gen-trace",
                        add_help=False)
     p.add_argument("bench_args", nargs=argparse.REMAINDER)
@@ -170,10 +173,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("systemd-unit", help="print a systemd unit that runs `ringserve serve` with these flags")
     p.add_argument("--user", default=None, help="run as this account (default: DynamicUser)")
     p.add_argument("--watchdog-sec", type=float, default=60.0)
-    p.add_argument("--role", choices=["server", "head", "headless"], default=None,
-                   help="one node (server), or a multi-node group's head / headless node "
+    p.add_argument("--role", choices=["server", "head", "headless", "prefill", "decode", "proxy"], default=None,
+                   help="one node (server), a multi-node group's head / headless node, a PD prefill or decode "
+                        "server (--kv-role), or the PD proxy (then the flags are ringserve proxy's) "
                         "(default: from the serve flags)")
-    p.add_argument("serve_args", nargs=argparse.REMAINDER, help="flags for ringserve serve")
+    p.add_argument("serve_args", nargs=argparse.REMAINDER, help="flags for ringserve serve (or proxy)")
     p.set_defaults(func=_cmd_systemd_unit)
     return parser
 
@@ -199,15 +203,26 @@ def _cmd_systemd_unit(args: argparse.Namespace) -> int:
     from server.systemd import render_unit
 
     serve_args = [a for a in args.serve_args if a != "--"]
+    exec_path = shutil.which("ringserve") or str(Path(sys.executable).with_name("ringserve"))
+    if args.role == "proxy":
+        probe = build_parser().parse_args(["proxy", *serve_args])  # validate the flags now, not at boot
+        print(render_unit(serve_args, exec_path=exec_path, user=args.user, drain_timeout_s=probe.drain_timeout,
+                          watchdog_s=args.watchdog_sec, role="proxy", command="proxy"), end="")
+        return 0
     if args.role == "headless" and "--headless" not in serve_args:
         serve_args.append("--headless")
     probe = build_parser().parse_args(["serve", *serve_args])  # validate the flags now, not at boot
     parallel = parallel_config_from(probe)  # raises ConfigError naming a bad flag
+    from server.pd import kv_transfer_config_from
+
+    kv_transfer_config_from(probe, None)  # ValueError naming a bad --kv-* flag
     role = "headless" if probe.headless else "head" if parallel.multi_node else "server"
+    if role == "server" and probe.kv_role != "both":
+        role = probe.kv_role  # a PD side on one node
     if args.role is not None and args.role != role:
         raise CliError(f"--role {args.role} does not match the serve flags, which describe a {role} "
-                       f"(a head runs ranks from 0 with --data-parallel-size-local < --data-parallel-size)")
-    exec_path = shutil.which("ringserve") or str(Path(sys.executable).with_name("ringserve"))
+                       f"(a head runs ranks from 0 with --data-parallel-size-local < --data-parallel-size; "
+                       f"a prefill or decode server has --kv-role prefill|decode --kv-transfer nixl)")
     print(render_unit(serve_args, exec_path=exec_path, user=args.user, drain_timeout_s=probe.drain_timeout,
                       watchdog_s=args.watchdog_sec, role=role), end="")
     return 0

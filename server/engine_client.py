@@ -215,9 +215,10 @@ class EngineClient:
 
     # ---- requests --------------------------------------------------------------------------
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: int | None = None,
-                       session: str | None = None) -> AsyncIterator[Output]:
+                       session: str | None = None, kv_transfer_params=None) -> AsyncIterator[Output]:
         """Submit a request and yield its output as it arrives, ending with its `Finished`.
-        Cancelling the iteration aborts the request in its worker."""
+        Cancelling the iteration aborts the request in its worker. `kv_transfer_params`: a leg
+        of a PD-disaggregated request (engine.kv_transfer.protocol.KVTransferParams)."""
         rid = self.new_request_id() if request_id is None else request_id
         try:
             rank = self.router.assign(rid, len(prompt_token_ids), params.max_tokens, session)
@@ -232,7 +233,7 @@ class EngineClient:
         r.inflight.add(rid)
         finished = False
         try:
-            await r.link.send("requests", encode(Submit(rid, prompt_token_ids, params),
+            await r.link.send("requests", encode(Submit(rid, prompt_token_ids, params, kv_transfer_params),
                                                   max_bytes=r.link.capacity("requests")), timeout=30.0)
             if parked:
                 await self._wake_group(r)

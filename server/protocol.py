@@ -56,6 +56,7 @@ class GenerationRequest:
     user: str | None = None
     max_tokens_given: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
+    kv_transfer_params: Any = None  # PD disaggregation: engine.kv_transfer.protocol.KVTransferParams
 
 
 # ---- field readers ---------------------------------------------------------------------------
@@ -188,6 +189,26 @@ def _stream_opts(body: dict) -> tuple[bool, bool, bool]:
     return stream, flags[0], flags[1]
 
 
+def _kv_transfer_params(body: dict, n_prompts: int, n: int, stream: bool):
+    """`kv_transfer_params` (vLLM's two-leg PD protocol), validated; None when absent."""
+    raw = body.get("kv_transfer_params")
+    if raw is None:
+        return None
+    from engine.kv_transfer.protocol import ProtocolError as KVProtocolError, parse_params
+
+    try:
+        kv = parse_params(raw)
+    except KVProtocolError as exc:
+        raise ProtocolError(str(exc), "kv_transfer_params", "invalid_value") from None
+    if n_prompts != 1 or n != 1:
+        raise ProtocolError("kv_transfer_params need exactly one prompt and n = 1", "kv_transfer_params",
+                            "invalid_value")
+    if kv.do_remote_decode and stream:
+        raise ProtocolError("a prefill for a remote decode (do_remote_decode) must not stream", "stream",
+                            "invalid_value")
+    return kv
+
+
 def _require_object(body: Any) -> dict:
     if not isinstance(body, dict):
         raise ProtocolError("the request body must be a JSON object", None, "invalid_body")
@@ -225,7 +246,8 @@ def parse_completion(body: Any, limits: Limits, served: list[str]) -> Generation
     return GenerationRequest(model, prompts, None, _common(body, limits, "max_tokens", logprobs, n), n, stream, include,
                              _stop(body, limits), echo=bool(_get(body, "echo", (bool,), False)), logprobs=logprobs,
                              user=_user(body, limits), max_tokens_given=body.get("max_tokens") is not None,
-                             continuous_usage=continuous)
+                             continuous_usage=continuous,
+                             kv_transfer_params=_kv_transfer_params(body, len(prompts), n, stream))
 
 
 def parse_chat(body: Any, limits: Limits, served: list[str]) -> GenerationRequest:
@@ -253,4 +275,5 @@ def parse_chat(body: Any, limits: Limits, served: list[str]) -> GenerationReques
     params = _common(body, limits, "max_completion_tokens", logprobs, n)
     given = body.get("max_completion_tokens") is not None or body.get("max_tokens") is not None
     return GenerationRequest(model, [], messages, params, n, stream, include, _stop(body, limits), logprobs=logprobs,
-                             user=_user(body, limits), max_tokens_given=given, continuous_usage=continuous)
+                             user=_user(body, limits), max_tokens_given=given, continuous_usage=continuous,
+                             kv_transfer_params=_kv_transfer_params(body, 1, n, stream))
