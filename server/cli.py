@@ -86,6 +86,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="never capture CUDA graphs: decode steps run the per-sequence eager path")
     p.add_argument("--kv-cache-memory", type=float, default=2.0, help="GiB for the KV pools")
     p.add_argument("--block-size", type=int, default=256, help="tokens per KV block")
+    p.add_argument("--decoder-tail", choices=["exact", "approx"], default="exact",
+                   help="DeepSeek-V4.1 prefill: approx runs the layers after the last KV source on each prefill "
+                        "chunk's last sliding-window tokens only (decoder-tail bounded replay); exact runs all")
     add_parallel_args(p)
 
 
@@ -138,7 +141,8 @@ def engine_config_from(args: argparse.Namespace):
                         speculative_tokens=args.speculative_tokens,
                         cuda_graph_sizes=tuple(args.cuda_graph_sizes or ()),
                         enforce_eager=args.enforce_eager, adaptive_speculation=args.adaptive_speculation,
-                        kv_cache_memory_bytes=int(args.kv_cache_memory * 2**30), block_size=args.block_size)
+                        kv_cache_memory_bytes=int(args.kv_cache_memory * 2**30), block_size=args.block_size,
+                        decoder_tail=args.decoder_tail)
 
 
 def _add_kv_report(sub: argparse._SubParsersAction) -> None:

@@ -3,8 +3,8 @@ scores weight them; no hash layers), clamped-SwiGLU experts with the routing wei
 the fp32 activation before w2, one shared expert. Expert outputs (bf16) accumulate in fp32 in
 ascending expert order, the shared expert last, then one rounding to bf16.
 
-Under expert parallelism (`parallel` set) the routed part runs through
-engine/v41/expert_parallel.py; the sum keeps the same order.
+`parallel` is the hook an expert-parallel dispatch would set (the routed part only, the sum in
+the same order); V4.1 has none yet, so the loader refuses --enable-expert-parallel.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class MoE(nn.Module):
         self.gate = Param(n_experts, d, dtype=torch.float32, bias=n_experts)  # REF holds the router in fp32
         self.experts = V41Experts(n_experts, d, i, cfg.swiglu_limit)
         self.shared_experts = SharedExpert(d, i, cfg.swiglu_limit)
-        self.parallel = None  # engine/v41/expert_parallel.py under expert parallelism
+        self.parallel = None  # an expert-parallel dispatch (none for V4.1 yet: engine/v41/weights.py refuses EP)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, dim] → (weights fp32 [T, k], logical experts [T, k])."""

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..config import WEIGHT_DTYPES, ModelConfig
+from ..config import WEIGHT_DTYPES, ConfigError, ModelConfig
 from ..linear import GroupedWeight, QuantWeight
 from ..weight_names import v41_target_of
 from ..weights import WeightLoadError, _Checkpoint, _Filler, _is_scale, shard_files, stored_formats
@@ -74,6 +74,9 @@ def load_v41(model_dir: str | Path, device: str = "cpu", progress: bool = False,
              weight_dtype: str = "auto", experts: dict[int, list[int]] | None = None) -> V41Model:
     if weight_dtype not in WEIGHT_DTYPES:
         raise ValueError(f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {weight_dtype!r}")
+    if experts is not None:  # every rank fails here, before any collective, so none waits on another
+        raise ConfigError("DeepSeek-V4.1 does not run under --enable-expert-parallel yet (its MoE has no "
+                          "expert-parallel dispatch); use --data-parallel-size without it")
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_model_dir(model_dir)
     ckpt = _Checkpoint(model_shards(model_dir))

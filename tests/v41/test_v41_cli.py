@@ -106,3 +106,11 @@ def test_make_model_writes_the_release_format(capsys, tmp_path, golden_root):
 def test_make_model_v41_rejects_v4_only_flags(capsys, tmp_path):
     assert main(["make-model", str(tmp_path / "x"), "--arch", "v41", "--dtype", "fp32"]) != 0
     assert "--dtype do not apply" in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("flags,mode", [([], "exact"), (["--decoder-tail", "approx"], "approx")])
+def test_decoder_tail_flag_reaches_the_engine_config(flags, mode):
+    from server.cli import build_parser, engine_config_from
+
+    args = build_parser().parse_args(["generate", "some-model", "--prompt", "x", *flags])
+    assert engine_config_from(args).decoder_tail == mode
