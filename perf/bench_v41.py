@@ -65,14 +65,16 @@ def _generate(engine: Engine, prompts: list[list[int]], max_tokens: int) -> tupl
     for i, p in enumerate(prompts):
         engine.add_request(i, p, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     tokens: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
-    t0, first = time.perf_counter(), None
+    t0, first, errors = time.perf_counter(), None, []
     while engine.has_work:
-        for d in engine.step().deltas:
+        out = engine.step()
+        for d in out.deltas:
             tokens[d.request_id] += d.token_ids
+        errors += [f"request {f.request_id}: {f.error}" for f in out.finished if f.error]
         if first is None and all(tokens.values()):
             first = time.perf_counter() - t0
-    if first is None:
-        raise RuntimeError(f"no first token for every request: {[len(t) for t in tokens.values()]} tokens each")
+    if errors or first is None:  # e.g. 'non-finite logits' (random weights can overflow)
+        raise RuntimeError(f"generation failed: {errors or 'no first token'}")
     return first, [tokens[i] for i in range(len(prompts))]
 
 
