@@ -22,7 +22,7 @@ import msgspec
 
 from engine.kv_transfer.config import KVTransferConfig  # PD disaggregation (msgspec only)
 
-SUPPORTED_MODEL_TYPES = ("deepseek_v4",)
+SUPPORTED_MODEL_TYPES = ("deepseek_v4", "deepseek_v41")
 
 _LAYER_TYPE_TO_KIND = {
     "sliding_attention": "swa",
@@ -86,6 +86,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     tie_word_embeddings: bool = False
     quantization: dict[str, Any] | None = field(default=None, compare=False)
+    # 'v4' (DeepSeek-V4) or 'v41' (DeepSeek-V4.1: `v41` holds what it adds; engine/v41/config.py)
+    arch: str = "v4"
+    v41: Any = None
 
     # ---- derived -------------------------------------------------------------------------
     @property
@@ -232,6 +235,10 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
         raise ConfigError(
             f"config.json: unsupported model_type {model_type!r}; ringserve serves {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
+    if model_type == "deepseek_v41":  # the release's composite config: text geometry under text_config
+        from .v41.config import parse_v41
+
+        return parse_v41(raw)
     if "text_config" in raw:
         raise ConfigError("config.json: composite (text_config) configs are not supported for deepseek_v4")
     num_layers = int(_require(raw, "num_hidden_layers", int))
@@ -414,6 +421,9 @@ class EngineConfig:
     seed: int = 0
     # --- PD disaggregation (engine/kv_connector.py): this engine's KV role and transport ---
     kv_transfer: KVTransferConfig | None = None
+    # DeepSeek-V4.1 prefill: 'exact', or 'approx' = decoder-tail bounded replay (the layers after
+    # the last KV source run on each prefill chunk's last `sliding_window` tokens only).
+    decoder_tail: str = "exact"
 
     def __post_init__(self) -> None:
         checks = [
@@ -430,6 +440,7 @@ class EngineConfig:
              "must be in [0, 8]"),
             (self.block_size >= 1, "block_size", "must be ≥ 1"),
             (self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes", "must be positive"),
+            (self.decoder_tail in ("exact", "approx"), "decoder_tail", "must be exact or approx"),
         ]
         for ok, name, rule in checks:
             if not ok:

@@ -44,9 +44,14 @@ class Engine:
         self.config = config = config.resolved()
         self.model = model
         max_len = config.context_length(model.cfg)
-        self.cache = KVCache.for_model(model, config.kv_dtype, config.max_num_seqs, config.max_num_batched_tokens,
-                                       num_full_blocks=config.num_kv_blocks, memory_bytes=config.kv_cache_memory_bytes,
-                                       block_size=config.block_size)
+        v41 = model.cfg.arch == "v41"  # DeepSeek-V4.1: its cache, runner and DSpark (engine/v41/)
+        if v41:
+            from .v41.kv_cache import V41KVCache as cache_cls
+        else:
+            cache_cls = KVCache
+        self.cache = cache_cls.for_model(model, config.kv_dtype, config.max_num_seqs, config.max_num_batched_tokens,
+                                         num_full_blocks=config.num_kv_blocks,
+                                         memory_bytes=config.kv_cache_memory_bytes, block_size=config.block_size)
         k = config.speculative_tokens
         if k > self.cache.manager.slack:
             raise ValueError(f"--speculative-tokens {k} exceeds the KV slack of {self.cache.manager.slack} positions")
@@ -55,14 +60,21 @@ class Engine:
         self.static = None
         static = config.static_decode
         if static is None:
-            static = static_decode_default(model.device) and not config.enforce_eager
+            static = static_decode_default(model.device) and not config.enforce_eager and not v41
+        if static and v41:
+            raise ValueError("DeepSeek-V4.1 has no static-shape decode path (--static-decode)")
         if static:
             depths = tuple(range(1, k + 2)) if config.adaptive_speculation else (1, 1 + k)
             self.static = StaticDecodeBackend(model, self.cache, config.cuda_graph_sizes, depths, max_len,
                                               capture=model.device.type == "cuda" and not config.enforce_eager,
                                               draft_steps=k > 0)
             self.static.capture_all()
-        self.runner = ModelRunner(model, self.cache, k, self.static)
+        if v41:
+            from .v41.runner import V41ModelRunner
+
+            self.runner = V41ModelRunner(model, self.cache, k, config.decoder_tail)
+        else:
+            self.runner = ModelRunner(model, self.cache, k, self.static)
         self.spec_control = SpeculationControl(k) if k and config.adaptive_speculation else None
         self.stats = EngineStats(spec_accepted_per_position=[0] * k)
         self.connector = None  # [kv-connector] PD disaggregation: engine.kv_connector.attach_connector sets it

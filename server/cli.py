@@ -25,7 +25,9 @@ class CliError(Exception):
 def _add_make_model(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("make-model", help="write a random-weight checkpoint with a tokenizer")
     p.add_argument("out_dir")
-    p.add_argument("--arch", default="v4", choices=["v4"], help="model architecture (v4 = DeepSeek-V4)")
+    p.add_argument("--arch", default="v4", choices=["v4", "v41"],
+                   help="model architecture: v4 = DeepSeek-V4, v41 = DeepSeek-V4.1 (release format: FP8 32x32 "
+                        "blocks and FP4 experts with --quantize fp8-fp4, BF16 without)")
     p.add_argument("--preset", default="tiny", choices=["tiny", "small"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quantize", choices=["fp8-fp4"], default=None,
@@ -84,6 +86,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="never capture CUDA graphs: decode steps run the per-sequence eager path")
     p.add_argument("--kv-cache-memory", type=float, default=2.0, help="GiB for the KV pools")
     p.add_argument("--block-size", type=int, default=256, help="tokens per KV block")
+    p.add_argument("--decoder-tail", choices=["exact", "approx"], default="exact",
+                   help="DeepSeek-V4.1 prefill: approx runs the layers after the last KV source on each prefill "
+                        "chunk's last sliding-window tokens only (decoder-tail bounded replay); exact runs all")
     add_parallel_args(p)
 
 
@@ -136,7 +141,8 @@ def engine_config_from(args: argparse.Namespace):
                         speculative_tokens=args.speculative_tokens,
                         cuda_graph_sizes=tuple(args.cuda_graph_sizes or ()),
                         enforce_eager=args.enforce_eager, adaptive_speculation=args.adaptive_speculation,
-                        kv_cache_memory_bytes=int(args.kv_cache_memory * 2**30), block_size=args.block_size)
+                        kv_cache_memory_bytes=int(args.kv_cache_memory * 2**30), block_size=args.block_size,
+                        decoder_tail=args.decoder_tail)
 
 
 def _add_kv_report(sub: argparse._SubParsersAction) -> None:
@@ -146,6 +152,9 @@ def _add_kv_report(sub: argparse._SubParsersAction) -> None:
                    help="KV record format (default fp8: e4m3 entries + fp4 index keys, the GPU deployment)")
     p.add_argument("--context", type=int, default=131072, help="tokens for the total line")
     p.add_argument("--block-size", type=int, default=256)
+    p.add_argument("--index-dtype", choices=["fp4", "fp8"], default="fp4",
+                   help="V4.1 index keys: fp4 (the model's own, 68 B) or fp8 (132 B, vLLM's indexer_kv_dtype fp8; "
+                        "reported only, the engine stores fp4)")
     p.add_argument("--json", action="store_true", help="one JSON object")
     p.set_defaults(func=_cmd_kv_report)
 
@@ -185,9 +194,11 @@ def build_parser() -> argparse.ArgumentParser:
 def _cmd_make_model(args: argparse.Namespace) -> int:
     from server.builtin import make_model_dir
 
+    if args.arch == "v41" and (args.layout != "upstream" or args.dtype != "bf16"):
+        raise CliError("--arch v41 writes the release format: --layout and --dtype do not apply")
     out = make_model_dir(args.out_dir, args.preset, seed=args.seed, layout=args.layout, dtype=args.dtype,
-                         quantize=args.quantize)
-    print(f"wrote {args.preset} DeepSeek-V4 checkpoint to {out}")
+                         quantize=args.quantize, arch=args.arch)
+    print(f"wrote {args.preset} DeepSeek-{'V4.1' if args.arch == 'v41' else 'V4'} checkpoint to {out}")
     return 0
 
 
@@ -237,7 +248,7 @@ def _cmd_kv_report(args: argparse.Namespace) -> int:
     cfg = ModelConfig.from_model_dir(source)
     if args.context < 0:
         raise CliError("--context must be ≥ 0")
-    layout = build_layout(cfg, args.kv_dtype, "bf16", args.block_size)
+    layout = build_layout(cfg, args.kv_dtype, "bf16", args.block_size, index_dtype=args.index_dtype)
     pools = [{"name": p.name, "group": p.group, "format": p.fmt, "width": p.width, "record_bytes": p.record_bytes,
               "tokens_per_record": p.tokens_per_record, "layers": len(p.layers), "window_tokens": p.window,
               "bytes_per_token": p.bytes_per_token, "per_sequence_bytes": p.per_sequence_bytes}
@@ -246,20 +257,30 @@ def _cmd_kv_report(args: argparse.Namespace) -> int:
               "global_bytes_per_token": layout.global_bytes_per_token,
               "per_sequence_bytes": layout.per_sequence_bytes, "context": args.context,
               "total_bytes_at_context": layout.global_bytes_per_token * args.context + layout.per_sequence_bytes}
+    if cfg.arch == "v41":
+        from engine.v41.state_report import fixed_state
+
+        report["fixed_state"] = fixed_state(cfg, layout)
+        report["per_sequence_bytes"] = sum(item["bytes"] for item in report["fixed_state"])
+        report["total_bytes_at_context"] = layout.global_bytes_per_token * args.context + report["per_sequence_bytes"]
     if args.json:
         print(json.dumps(report))
         return 0
     print(f"{source} --kv-dtype {args.kv_dtype}")
-    print(f"{'pool':16} {'group':8} {'format':11} {'record B':>9} {'layers':>6} {'tok/rec':>7} "
+    print(f"{'pool':16} {'group':8} {'format':13} {'record B':>9} {'layers':>6} {'tok/rec':>7} "
           f"{'B/token':>10} {'per-seq B':>12}")
     for p in pools:  # full pools grow per token; sliding pools are a fixed per-sequence window
         per_token = f"{p['bytes_per_token']:10.2f}" if p["group"] == "full" else f"{'-':>10}"
         per_seq = f"{p['per_sequence_bytes']:12,d}" if p["group"] == "sliding" else f"{'-':>12}"
-        print(f"{p['name']:16} {p['group']:8} {p['format']:11} {p['record_bytes']:9d} {p['layers']:6d} "
+        print(f"{p['name']:16} {p['group']:8} {p['format']:13} {p['record_bytes']:9d} {p['layers']:6d} "
               f"{p['tokens_per_record']:7d} {per_token} {per_seq}")
     print(f"global KV (grows with context): {layout.global_bytes_per_token:,.2f} B/token "
           f"({layout.global_bytes_per_token / 1024:.2f} KiB)")
-    print(f"fixed per-sequence state (window + compressor rows): {layout.per_sequence_bytes / 2**20:.2f} MiB")
+    if cfg.arch == "v41":
+        print("fixed per-sequence state:")
+        for item in report["fixed_state"]:
+            print(f"  {item['what']:58} {item['bytes']:>12,d} B")
+    print(f"fixed per-sequence state (window + compressor rows): {report['per_sequence_bytes'] / 2**20:.2f} MiB")
     print(f"total at {args.context:,} tokens: {report['total_bytes_at_context'] / 2**20:,.1f} MiB per sequence")
     return 0
 
