@@ -6,7 +6,8 @@ and on a `make-model --arch v41 --preset tiny --quantize fp8-fp4` checkpoint (wi
 experts) the same tokens as one rank, requests arriving at random moments. Each rank holds its
 share of the backbone's routed experts and every DSpark stage whole. In-process: the row
 packing carries the routing weight bit for bit, and the combine's sum follows the one-rank
-MoE's ascending-expert order.
+MoE's ascending-expert order, and one MoE layer through every all-to-all backend (a one-rank
+gloo group, redundant replicas) equals the whole layer bit for bit.
 """
 
 from __future__ import annotations
@@ -15,13 +16,18 @@ import asyncio
 import json
 import random
 
+import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 
+from engine import eplb
+from engine.all2all import SlotLayout
 from engine.config import ModelConfig, ParallelConfig
-from engine.expert_parallel import experts_to_load, initial_placement
+from engine.distributed import pick_free_port
+from engine.expert_parallel import _backend, experts_to_load, initial_placement
 from engine.v41.checkpoint import write_v41_checkpoint
-from engine.v41.expert_parallel import ascending_sum, pack_rows, unpack_rows
+from engine.v41.expert_parallel import V41ExpertParallelMoE, ascending_sum, pack_rows, unpack_rows
 from engine.v41.weights import load_v41
 from ipc.loop import new_event_loop
 from ipc.messages import Finished, SamplingParams
@@ -98,6 +104,46 @@ def test_each_rank_holds_its_share_of_the_backbone_experts(tiny):
                     for name in ("w13", "w2"):
                         assert torch.equal(getattr(held, name).weight[slot], getattr(full, name).weight[e])
                         assert torch.equal(getattr(held, name).scale[slot], getattr(full, name).scale[e])
+
+
+@pytest.fixture(scope="module")
+def one_rank_group():
+    """A world-size-1 gloo group in this process: every backend's code path, no peers."""
+    if dist.is_initialized():
+        pytest.skip("a default process group already exists in this process")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{pick_free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("backend", ["all_to_all", "padded_all_to_all", "allgather_reducescatter"])
+def test_dispatch_equals_the_one_rank_moe_on_every_backend(tiny, one_rank_group, backend):
+    """One backbone MoE layer over three chunks: whole, then through V41ExpertParallelMoE on a
+    placement with redundant replicas of the heaviest experts (consecutive tokens take different
+    replicas); the outputs are equal bit for bit, and a zero-row call (the idle forward) works."""
+    layer, redundant = 1, 4
+    whole = load_v41(tiny, load_mtp=False)
+    cfg = whole.cfg
+    load = np.arange(1, cfg.n_routed_experts + 1, dtype=np.float64)[None] ** 3  # [1, E] skewed
+    placement = eplb.rebalance(load, 1, redundant)
+    assert placement.logical_replica_count.max() > 1
+    part = load_v41(tiny, load_mtp=False, experts={layer: placement.local_experts(0, 0).tolist()})
+    a2a = _backend(backend, SlotLayout(placement.num_physical, 1), None, capacity=64 * cfg.num_experts_per_tok)
+    moe = part.layers[layer].ffn
+    moe.parallel = V41ExpertParallelMoE(a2a, moe.experts, *placement.layer_maps(0))
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(40, cfg.hidden_size, generator=g).to(torch.bfloat16)  # [T, dim]
+    bounds = [(0, 13), (13, 14), (14, 40)]
+    want = torch.cat([whole.layers[layer].ffn(x[a:b]) for a, b in bounds])
+
+    def per_chunk(fn, *t):
+        parts = [fn(*(v[a:b] for v in t)) for a, b in bounds]
+        return tuple(torch.cat(p) for p in zip(*parts)) if isinstance(parts[0], tuple) else torch.cat(parts)
+
+    assert torch.equal(moe.forward_parallel(x, per_chunk), want)
+    k = cfg.num_experts_per_tok
+    idle = moe.parallel(x[:0], torch.zeros(0, k), torch.zeros(0, k, dtype=torch.long))
+    assert idle.shape == (0, cfg.hidden_size)
 
 
 # ---- real processes -------------------------------------------------------------------------------
