@@ -83,7 +83,10 @@ class Block(nn.Module):
         stream = nx.hc_expand(attend(x), stream, attn_post, attn_comb)
         ffn_pre, ffn_post, ffn_comb = self.site("ffn", stream, chunks)
         x = nx.rms_norm(nx.hc_collapse(stream, attn_pre), self.ffn_norm.weight, eps)
-        y = self.ffn(x) if self.ffn.parallel is not None else per_chunk(self.ffn, chunks, x)
+        if self.ffn.parallel is not None:  # expert parallel: the whole step through one dispatch
+            y = self.ffn.forward_parallel(x, lambda fn, *t: per_chunk(fn, chunks, *t))
+        else:
+            y = per_chunk(self.ffn, chunks, x)
         return nx.hc_expand(y, stream, ffn_post, ffn_comb), ffn_pre
 
 

@@ -3,8 +3,10 @@ scores weight them; no hash layers), clamped-SwiGLU experts with the routing wei
 the fp32 activation before w2, one shared expert. Expert outputs (bf16) accumulate in fp32 in
 ascending expert order, the shared expert last, then one rounding to bf16.
 
-`parallel` is the hook an expert-parallel dispatch would set (the routed part only, the sum in
-the same order); V4.1 has none yet, so the loader refuses --enable-expert-parallel.
+Under expert parallelism `parallel` (engine/v41/expert_parallel.py) computes the routed part over
+the group with the same sum in the same order; `forward_parallel` keeps the router and the shared
+expert per chunk (their bits depend on the row count under reference numerics) and sends the
+whole step's rows through the dispatch at once (a row's expert output does not depend on the rest).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ class MoE(nn.Module):
         self.gate = Param(n_experts, d, dtype=torch.float32, bias=n_experts)  # REF holds the router in fp32
         self.experts = V41Experts(n_experts, d, i, cfg.swiglu_limit)
         self.shared_experts = SharedExpert(d, i, cfg.swiglu_limit)
-        self.parallel = None  # an expert-parallel dispatch (none for V4.1 yet: engine/v41/weights.py refuses EP)
+        self.parallel = None  # V41ExpertParallelMoE under expert parallelism; None: every expert is here
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, dim] → (weights fp32 [T, k], logical experts [T, k])."""
@@ -50,14 +52,21 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[T, dim] bf16 → [T, dim] bf16."""
-        weights, experts = self.route(x)
         if self.parallel is not None:
-            y = self.parallel(x, weights, experts)
-        else:
-            y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-            slot_of = self.experts.slots_of
-            for e in torch.unique(experts).tolist():  # ascending expert order
-                tokens, choice = torch.where(experts == e)
-                y[tokens] += self.experts.run(slot_of(e)[0], x[tokens], weights[tokens, choice, None])
+            return self.forward_parallel(x, lambda fn, *t: fn(*t))
+        weights, experts = self.route(x)
+        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        slot_of = self.experts.slots_of
+        for e in torch.unique(experts).tolist():  # ascending expert order
+            tokens, choice = torch.where(experts == e)
+            y[tokens] += self.experts.run(slot_of(e)[0], x[tokens], weights[tokens, choice, None])
         y += self.shared_experts(x)
+        return y.to(torch.bfloat16)
+
+    def forward_parallel(self, x: torch.Tensor, per_chunk) -> torch.Tensor:
+        """[T, dim] bf16 → [T, dim] bf16 through the expert-parallel dispatch; `per_chunk(fn, x)`
+        applies a row-count-dependent fn the way the one-rank forward would (chunk by chunk)."""
+        weights, experts = per_chunk(self.route, x)  # [T, k] each
+        y = self.parallel(x, weights, experts)  # [T, dim] fp32, ascending expert order
+        y += per_chunk(self.shared_experts, x)
         return y.to(torch.bfloat16)

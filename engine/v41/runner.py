@@ -7,6 +7,10 @@ block after its newest token: anchor = the token just sampled at position e, dra
 windows up to position e − 1. Drafts are greedy (one-hot), so the shared verification
 (engine/speculative.py) stays lossless for sampled requests too; the next step verifies them as
 it verifies MTP drafts.
+
+Under expert parallelism (lockstep) a step with no rows is a dummy one: zero rows through every
+backbone MoE dispatch (engine/v41/expert_parallel.py `idle_forward`). DSpark's stages hold all
+their experts on every rank, so drafting needs no agreement.
 """
 
 from __future__ import annotations
@@ -14,9 +18,10 @@ from __future__ import annotations
 import torch
 
 from ..attention_backend import StepSeq
-from ..model_runner import ModelRunner
+from ..model_runner import ModelRunner, _Drafts
 from .attention import Chunk
 from .dspark import DSpark
+from .expert_parallel import idle_forward
 from .model import ForwardOut, V41Model
 
 DECODER_TAIL_MODES = ("exact", "approx")
@@ -25,7 +30,8 @@ DECODER_TAIL_MODES = ("exact", "approx")
 class V41Step:
     """One forward's chunks over the flattened tokens of its rows."""
 
-    def __init__(self, rows: list[StepSeq], device: torch.device, trace: bool = False):
+    def __init__(self, rows: list[StepSeq], device: torch.device, trace: bool = False, lockstep: bool = False):
+        self.lockstep = lockstep  # expert parallel: an empty step still runs every MoE collective
         self.chunks, tokens, begin = [], [], 0
         for r in rows:
             n = len(r.token_ids)
@@ -37,6 +43,8 @@ class V41Step:
     def run(self, model: V41Model, logit_rows: list[int] | None, inputs=None):
         """(ForwardOut or None when there are no rows, fp32 logits [len(logit_rows), V] or None)."""
         if not self.chunks:
+            if self.lockstep:
+                idle_forward(model)
             return None, None
         out = model(self.token_ids, self.chunks)
         if not logit_rows:
@@ -60,30 +68,39 @@ class V41ModelRunner(ModelRunner):
         self.backends = []
         self.trace = False  # tests: record every index source's selection per chunk
         self.last_step: V41Step | None = None
+        self._lockstep = False  # the current execute's
+
+    def execute(self, batch, num_drafts: int | None = None, allow_static: bool = True, lockstep: bool = False):
+        self._lockstep = lockstep
+        return super().execute(batch, num_drafts, allow_static=allow_static, lockstep=lockstep)
 
     def _prepare(self, rows: list[StepSeq], kind: str = "model", allow_static: bool = True) -> V41Step:
-        self.last_step = V41Step(rows, self.device, self.trace)
+        self.last_step = V41Step(rows, self.device, self.trace, self._lockstep)
         return self.last_step
 
     def static_ok(self, batch) -> bool:
         return False
 
-    def _run_mtp(self, batch, out: ForwardOut | None, outputs, num_drafts: int, lockstep: bool) -> None:
-        """DSpark: observe this step's rows, then draft `num_drafts` tokens per sampling request."""
+    def _run_mtp(self, batch, out: ForwardOut | None, pending, sample, num_drafts: int, lockstep: bool):
+        """DSpark: observe this step's rows, then draft `num_drafts` tokens per sampling request
+        after its last accepted token. Returns ModelRunner's (drafts, host sample read early):
+        drafting needs the accepted tokens on the host."""
         if out is None:
-            return
+            return None, None
         self.dspark.observe(out.main_hidden, out.chunks)
-        if not num_drafts:
-            return
-        for s in batch.scheduled:
-            req = s.request
-            o = outputs.get(req.request_id)
-            if o is None or o.error:
+        if not num_drafts or sample is None:
+            return None, None
+        host = self._read(sample, None)
+        live, blocks = [], []
+        for i, p in enumerate(pending):
+            if not host.finite[i]:
                 continue
-            computed = s.num_tokens - (s.num_draft - (len(o.accepted) - 1))  # rows whose KV stays
-            draft = self.dspark.draft(req.seq, o.accepted[-1], s.start + computed - 1)
-            tokens = draft.tokens[:num_drafts]
-            if self.draft_override is not None:
-                tokens = self.draft_override(req, o.accepted, tokens)
-            o.drafts = list(tokens[:num_drafts])
-            o.draft_probs = None  # greedy drafts: one-hot
+            s, n = p.sched, int(host.num_accepted[i]) + 1
+            computed = s.num_tokens - (s.num_draft - (n - 1))  # rows whose KV stays
+            draft = self.dspark.draft(s.request.seq, int(host.emitted[i, n - 1]), s.start + computed - 1)
+            live.append(i)
+            blocks.append(draft.tokens[:num_drafts])
+        if not live:
+            return None, host
+        tokens = torch.tensor(blocks, dtype=torch.long, device=self.device)  # [R, num_drafts]
+        return _Drafts(live, tokens, None), host  # greedy drafts: one-hot (no probabilities)

@@ -7,7 +7,9 @@ Storage, as released: FP8 e4m3 with E8M0 32×32 block scales (projections, share
 indexer wq_b, Engram wkv, DSpark main_proj), FP4 e2m1 pairs with E8M0 per 32 along K (routed
 experts), FP8 Engram tables with one E8M0 scale per row per 32, BF16 / F32 the rest.
 `weight_dtype='auto'` keeps FP8/FP4 as stored; 'bf16' decodes them at load (exactly: every
-stored value fits bf16). With `experts`, each MoE layer holds only those logical experts.
+stored value fits bf16). With `experts` (expert parallelism: engine/expert_parallel.py
+`experts_to_load`), each listed MoE layer holds only those logical experts, read alone from the
+shards; unlisted layers (the DSpark stages) hold all of theirs.
 """
 
 from __future__ import annotations
@@ -74,9 +76,6 @@ def load_v41(model_dir: str | Path, device: str = "cpu", progress: bool = False,
              weight_dtype: str = "auto", experts: dict[int, list[int]] | None = None) -> V41Model:
     if weight_dtype not in WEIGHT_DTYPES:
         raise ValueError(f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {weight_dtype!r}")
-    if experts is not None:  # every rank fails here, before any collective, so none waits on another
-        raise ConfigError("DeepSeek-V4.1 does not run under --enable-expert-parallel yet (its MoE has no "
-                          "expert-parallel dispatch); use --data-parallel-size without it")
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_model_dir(model_dir)
     ckpt = _Checkpoint(model_shards(model_dir))

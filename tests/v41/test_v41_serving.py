@@ -1,14 +1,11 @@
 """DeepSeek-V4.1 through the serving stack: `LLM` over two data-parallel worker processes, with
 DSpark drafting, chosen from the checkpoint's config alone, gives DeepSeek's greedy tokens for
-every golden prompt of c1; expert parallelism is refused up front with a one-line reason."""
+every golden prompt of c1 (expert parallelism: tests/v41/test_v41_expert_parallel.py)."""
 
 from __future__ import annotations
 
 import json
 
-import pytest
-
-from engine.config import ParallelConfig
 from ipc.messages import SamplingParams
 from server.llm import LLM
 
@@ -26,8 +23,3 @@ def test_llm_dp2_with_dspark_gives_the_golden_tokens(golden_root):
     assert [o.error for o in outs] == [None] * len(outs)
     assert [o.token_ids for o in outs] == g["tokens"]
 
-
-def test_expert_parallel_is_refused(golden_root):
-    with pytest.raises(Exception, match="expert-parallel"):
-        LLM(golden_root / "c1", threads_per_worker=1,
-            parallel=ParallelConfig(data_parallel_size=2, enable_expert_parallel=True), **ENGINE)
