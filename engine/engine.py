@@ -22,6 +22,7 @@ from .cuda_graphs import StaticDecodeBackend
 from .kv_cache import KVCache
 from .model import DeepseekV4
 from .model_runner import ModelRunner
+from .prefix_cache import PrefixCache, snapshot_slots
 from .request import Request, RequestError
 from .scheduler import Scheduler, SchedulerConfig
 from .spec_control import SpeculationControl
@@ -44,14 +45,19 @@ class Engine:
         self.config = config = config.resolved()
         self.model = model
         max_len = config.context_length(model.cfg)
+        snapshots = snapshot_slots(config.enable_prefix_caching, config.prefix_replay, config.prefix_snapshots,
+                                   config.max_num_seqs)
         self.cache = KVCache.for_model(model, config.kv_dtype, config.max_num_seqs, config.max_num_batched_tokens,
                                        num_full_blocks=config.num_kv_blocks, memory_bytes=config.kv_cache_memory_bytes,
-                                       block_size=config.block_size)
+                                       block_size=config.block_size, snapshot_slots=snapshots)
         k = config.speculative_tokens
         if k > self.cache.manager.slack:
             raise ValueError(f"--speculative-tokens {k} exceeds the KV slack of {self.cache.manager.slack} positions")
         sched_cfg = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_len, k)
-        self.scheduler = Scheduler(sched_cfg, self.cache, model.cfg.eos_token_ids)
+        # ---- prefix caching (engine/prefix_cache.py) ----
+        self.prefix_cache = (PrefixCache.for_engine(self.cache, model.cfg, config.kv_dtype, config.prefix_replay, k > 0)
+                             if config.enable_prefix_caching else None)
+        self.scheduler = Scheduler(sched_cfg, self.cache, model.cfg.eos_token_ids, self.prefix_cache)
         self.static = None
         static = config.static_decode
         if static is None:
