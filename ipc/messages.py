@@ -148,6 +148,9 @@ class Heartbeat(Struct, frozen=True, array_like=True, tag=6):
     # window (empty without EP), and how many times the placement was rebalanced.
     expert_imbalance: list[Annotated[float, Meta(ge=0.0)]] = []
     eplb_rebalances: Count = 0
+    # Prefix cache (cumulative, tokens): prompt tokens queried and those served from the cache.
+    prefix_cache_queries: Count = 0
+    prefix_cache_hits: Count = 0
 
 
 ToWorker = Union[Submit, Abort, Shutdown]

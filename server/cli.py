@@ -84,6 +84,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="never capture CUDA graphs: decode steps run the per-sequence eager path")
     p.add_argument("--kv-cache-memory", type=float, default=2.0, help="GiB for the KV pools")
     p.add_argument("--block-size", type=int, default=256, help="tokens per KV block")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the global KV blocks of prompts' cached prefixes (default on, as in vLLM)")
+    p.add_argument("--prefix-replay", choices=["exact", "bounded"], default="exact",
+                   help="sliding state at a prefix hit: exact (snapshots at block boundaries, else a replay of "
+                        "the window stack's receptive field; output as a cold run) or bounded (vLLM's "
+                        "approximation: recompute only the last window before the hit)")
     add_parallel_args(p)
 
 
@@ -136,7 +142,9 @@ def engine_config_from(args: argparse.Namespace):
                         speculative_tokens=args.speculative_tokens,
                         cuda_graph_sizes=tuple(args.cuda_graph_sizes or ()),
                         enforce_eager=args.enforce_eager, adaptive_speculation=args.adaptive_speculation,
-                        kv_cache_memory_bytes=int(args.kv_cache_memory * 2**30), block_size=args.block_size)
+                        kv_cache_memory_bytes=int(args.kv_cache_memory * 2**30), block_size=args.block_size,
+                        enable_prefix_caching=getattr(args, "enable_prefix_caching", True),
+                        prefix_replay=getattr(args, "prefix_replay", "exact"))
 
 
 def _add_kv_report(sub: argparse._SubParsersAction) -> None:
