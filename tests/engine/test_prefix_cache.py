@@ -4,8 +4,6 @@ replay never rewrites shared blocks, eviction/abort/preemption leak nothing, sal
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -19,7 +17,7 @@ from ipc.messages import SamplingParams
 from reference_driver import generate
 
 B = 16  # block size of every engine here
-PARAMS = SamplingParams(max_tokens=4, ignore_eos=True, logprobs=0)
+PARAMS = SamplingParams(max_tokens=3, ignore_eos=True, logprobs=0)
 
 
 # ---- allocator: content addressing against a model of the block contents ----------------------
@@ -89,19 +87,26 @@ def model(checkpoint_factory):
 
 
 def _engine(model, **kw) -> Engine:
-    args = dict(max_num_seqs=4, max_num_batched_tokens=32, kv_cache_memory_bytes=4 << 20, block_size=B)
+    args = dict(max_num_seqs=4, max_num_batched_tokens=64, kv_cache_memory_bytes=4 << 20, block_size=B)
     args.update(kw)
     return Engine(model, EngineConfig(**args))
 
 
-def _one(engine: Engine, rid: int, prompt: list[int], params: SamplingParams = PARAMS):
-    engine.add_request(rid, prompt, params)
-    toks, lps = [], []
+def _round(engine: Engine, first_id: int, prompts: list[list[int]], params: SamplingParams = PARAMS):
+    """Submit the prompts together, step until all finish: [(tokens, logprobs)] in order."""
+    for i, p in enumerate(prompts):
+        engine.add_request(first_id + i, p, params)
+    toks: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    lps: dict[int, list[float]] = {i: [] for i in range(len(prompts))}
     while engine.has_work:
         for d in engine.step().deltas:
-            toks += d.token_ids
-            lps += list(d.logprobs or [])
-    return toks, lps
+            toks[d.request_id - first_id] += d.token_ids
+            lps[d.request_id - first_id] += list(d.logprobs or [])
+    return [(toks[i], lps[i]) for i in range(len(prompts))]
+
+
+def _one(engine: Engine, rid: int, prompt: list[int], params: SamplingParams = PARAMS):
+    return _round(engine, rid, [prompt], params)[0]
 
 
 def _tokens(n: int, seed: int) -> list[int]:
@@ -114,35 +119,40 @@ def _assert_clean(engine: Engine) -> None:
     assert int(m.full.refcount.sum()) == 0 and int(m.sliding.refcount.sum()) == 0
 
 
-@pytest.mark.parametrize("snapshots", [None, 0], ids=["restore", "replay"])
-def test_exact_hits_equal_a_cold_run(model, snapshots):
+@pytest.mark.parametrize("snapshots, k", [(None, 0), (0, 0), (None, 2)], ids=["restore", "replay", "restore-mtp"])
+def test_exact_hits_equal_a_cold_run(model, snapshots, k):
     """A conversation's turns (each resends the last prompt and its answer, plus new tokens) and
     prompts ending at every offset in a block after the hit (inside and at compress windows):
     tokens equal the plain reference's, logprobs within the chunked-prefill tolerance (the
     computed chunks differ in shape, nothing else). `replay`: no snapshots, every hit
-    recomputes the window stack's receptive field."""
-    engine = _engine(model, prefix_snapshots=snapshots)
+    recomputes the window stack's receptive field. `restore-mtp`: with MTP speculation (its
+    window is restored too, and drafts are verified against the restored state)."""
+    engine = _engine(model, prefix_snapshots=snapshots, speculative_tokens=k, adaptive_speculation=False)
     base = _tokens(80, 1)
-    prompts = [base[:53]]
-    got = [_one(engine, 0, prompts[0])]
-    for i, extra in enumerate([5, 11]):  # conversation turns: prompt + answer + new tokens
-        prompts.append(prompts[-1] + got[-1][0] + _tokens(extra, 10 + i))
-        got.append(_one(engine, len(got), prompts[-1]))
-    for n in (65, 68, 72, 80):  # a hit at 64 (or 48), prompts ending 1, 4, 8 and 16 tokens past it
-        prompts.append(base[:n])
-        got.append(_one(engine, len(got), base[:n]))
+    turn0 = base[:53]
+    got = [_one(engine, 0, turn0)]  # caches blocks 0..2 and the state at 48
+    turn1 = turn0 + got[0][0] + _tokens(5, 10)  # the next turn: prompt + answer + a tool output
+    got += _round(engine, 1, [turn1, base[:65]])  # hits at 48; base[:65] caches block 3, state at 64
+    turn2 = turn1 + got[1][0] + _tokens(11, 11)
+    # Hits at 64 (or 48) for prompts ending 4, 8 and 16 tokens past the hit, inside and at the
+    # compress windows (4, 8) and the window (8); the conversation's third turn.
+    later = [base[:68], base[:72], base[:80], turn2]
+    got += _round(engine, 3, later)
+    prompts = [turn0, turn1, base[:65], *later]
     ref = generate(model, prompts, PARAMS)
     for (toks, lps), r in zip(got, ref):
         assert toks == r.token_ids
         assert max(abs(a - b) for a, b in zip(lps, r.logprobs)) <= 1e-5
     st = engine.prefix_cache.stats
-    assert st.hit_requests >= 4 and st.hits > 0
+    assert st.hit_requests >= 3 and st.hits > 0
     if snapshots is None:
         assert st.restores > 0 and st.replayed_tokens == 0
     else:
         assert st.restores == 0 and st.replays == st.hit_requests
         assert st.replayed_tokens >= st.hit_requests * engine.prefix_cache.receptive_field // 2
     assert st.queries == sum(len(p) for p in prompts)
+    if k:
+        assert engine.stats.spec_draft_tokens > 0
     _assert_clean(engine)
 
 
@@ -188,26 +198,23 @@ def test_a_different_cache_salt_never_hits(model):
 def test_pressure_preemption_and_abort_leak_nothing(model):
     """Requests sharing prefixes on a pool too small for them all: cached blocks are evicted and
     requests preempted, some are aborted mid-way; the rest equal the reference and nothing leaks."""
-    engine = _engine(model, num_kv_blocks=9)
-    base = _tokens(60, 4)
-    prompts = [base[: 20 + 7 * i] + _tokens(i % 3, 20 + i) for i in range(6)]
-    rng = random.Random(0)
+    engine = _engine(model, num_kv_blocks=6, max_num_batched_tokens=32)
+    a, b = _tokens(60, 4), _tokens(60, 5)  # two prefix families: b's blocks must evict a's
+    prompts = [a[: 20 + 9 * i] for i in range(4)] + [b[: 33 + 9 * i] for i in range(3)]
     out: dict[int, list[int]] = {}
-    pending, aborted, step = list(enumerate(prompts)), {1, 4}, 0
-    while pending or engine.has_work:
-        if pending and (rng.random() < 0.5 or not engine.has_work):
-            i, p = pending.pop(0)
-            engine.add_request(i, p, PARAMS)
-        for d in engine.step().deltas:
-            out.setdefault(d.request_id, []).extend(d.token_ids)
-        step += 1
-        for i in list(aborted):
-            if i in out and i in engine.scheduler.requests:
-                engine.abort(i)
-                aborted.discard(i)
+    for wave in (range(4), range(4, 7)):  # each wave at once: more than the pool holds
+        for i in wave:
+            engine.add_request(i, prompts[i], PARAMS)
+        while engine.has_work:
+            for d in engine.step().deltas:
+                out.setdefault(d.request_id, []).extend(d.token_ids)
+            if 1 in out and 1 in engine.scheduler.requests:
+                engine.abort(1)  # while decoding (its prompt's blocks are cached by now)
+            if 5 in engine.scheduler.requests:
+                engine.abort(5)  # after one step: waiting or mid-prefill
     ref = generate(model, prompts, PARAMS)
-    for i in (0, 2, 3, 5):
+    for i in (0, 2, 3, 4, 6):
         assert out[i] == ref[i].token_ids
-    assert engine.cache.manager.full.num_evicted > 0
+    assert engine.cache.manager.full.num_evicted > 0 and engine.stats.num_preemptions > 0
     assert engine.prefix_cache.stats.hit_requests > 0
     _assert_clean(engine)
