@@ -198,22 +198,23 @@ def test_a_different_cache_salt_never_hits(model):
 def test_pressure_preemption_and_abort_leak_nothing(model):
     """Requests sharing prefixes on a pool too small for them all: cached blocks are evicted and
     requests preempted, some are aborted mid-way; the rest equal the reference and nothing leaks."""
-    engine = _engine(model, num_kv_blocks=6, max_num_batched_tokens=32)
-    a, b = _tokens(60, 4), _tokens(60, 5)  # two prefix families: b's blocks must evict a's
+    engine = _engine(model, num_kv_blocks=5, max_num_batched_tokens=32)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)  # decode crosses blocks: running requests grow
+    a, b = _tokens(60, 4), _tokens(60, 5)  # two prefix families: a's blocks must evict b's
     prompts = [a[: 20 + 9 * i] for i in range(4)] + [b[: 33 + 9 * i] for i in range(3)]
     out: dict[int, list[int]] = {}
-    for wave in (range(4), range(4, 7)):  # each wave at once: more than the pool holds
+    for wave in (range(4, 7), range(4)):  # each wave at once: more than the pool holds
         for i in wave:
-            engine.add_request(i, prompts[i], PARAMS)
+            engine.add_request(i, prompts[i], params)
         while engine.has_work:
             for d in engine.step().deltas:
                 out.setdefault(d.request_id, []).extend(d.token_ids)
             if 1 in out and 1 in engine.scheduler.requests:
                 engine.abort(1)  # while decoding (its prompt's blocks are cached by now)
-            if 5 in engine.scheduler.requests:
-                engine.abort(5)  # after one step: waiting or mid-prefill
-    ref = generate(model, prompts, PARAMS)
-    for i in (0, 2, 3, 4, 6):
+            if 3 in engine.scheduler.requests:
+                engine.abort(3)  # after one step: waiting or mid-prefill
+    ref = generate(model, prompts, params)
+    for i in (0, 2, 4, 5, 6):
         assert out[i] == ref[i].token_ids
     assert engine.cache.manager.full.num_evicted > 0 and engine.stats.num_preemptions > 0
     assert engine.prefix_cache.stats.hit_requests > 0
