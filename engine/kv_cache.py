@@ -185,15 +185,19 @@ class KVCache:
                   slack: int = 8, snapshot_slots: int = 0) -> "KVCache":
         """Pools for `model`: growable blocks from `num_full_blocks` or from what `memory_bytes`
         leaves after the sliding (per-sequence) blocks of `max_num_seqs` sequences and the
-        `snapshot_slots` sliding-state snapshots (engine/kv_snapshot.py)."""
+        `snapshot_slots` sliding-state snapshots (engine/kv_snapshot.py; with `memory_bytes`,
+        as many of them as fit in an eighth of what the sliding blocks leave)."""
         compute = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[model.dtype]
         layout = build_layout(model.cfg, kv_dtype, compute, block_size, num_mtp_layers=len(model.mtp))
         sliding = cls.blocks_for(layout, max_num_seqs, max_tokens_per_step, slack)
         if num_full_blocks is None:
             if memory_bytes is None:
                 raise ValueError("give num_full_blocks or memory_bytes")
-            left = (memory_bytes - sliding * layout.group_block_bytes("sliding")
-                    - snapshot_slots * snapshot_bytes(layout))
+            left = memory_bytes - sliding * layout.group_block_bytes("sliding")
+            # Snapshots take at most an eighth of what the sliding blocks leave: fewer snapshots
+            # only mean more exact replays, fewer global blocks mean fewer cached prefixes.
+            snapshot_slots = min(snapshot_slots, max(0, left // 8) // max(1, snapshot_bytes(layout)))
+            left -= snapshot_slots * snapshot_bytes(layout)
             num_full_blocks = left // max(1, layout.group_block_bytes("full"))
             if num_full_blocks < 2:
                 raise ValueError(f"KV memory {memory_bytes} bytes is too small for {max_num_seqs} sequences")
