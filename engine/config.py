@@ -391,6 +391,7 @@ MODES = ("throughput", "single-user")
 COMPUTE_DTYPES = ("auto", "bf16", "fp32")
 KV_DTYPES = ("auto", "bf16", "fp8", "fp4")
 WEIGHT_DTYPES = ("auto", "bf16")
+PREFIX_REPLAY_MODES = ("exact", "bounded")
 
 
 @dataclass(frozen=True)
@@ -424,6 +425,12 @@ class EngineConfig:
     # DeepSeek-V4.1 prefill: 'exact', or 'approx' = decoder-tail bounded replay (the layers after
     # the last KV source run on each prefill chunk's last `sliding_window` tokens only).
     decoder_tail: str = "exact"
+    # Prefix caching (engine/prefix_cache.py): reuse the global KV blocks of a cached prefix.
+    # exact = output identical to a cold run (sliding-state snapshots, else a receptive-field
+    # replay); bounded = vLLM's approximation (recompute the last window before the hit).
+    enable_prefix_caching: bool = True
+    prefix_replay: str = "exact"
+    prefix_snapshots: int | None = None  # sliding-state snapshots kept (exact mode); None = 4 × max_num_seqs
 
     def __post_init__(self) -> None:
         checks = [
@@ -441,6 +448,8 @@ class EngineConfig:
             (self.block_size >= 1, "block_size", "must be ≥ 1"),
             (self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes", "must be positive"),
             (self.decoder_tail in ("exact", "approx"), "decoder_tail", "must be exact or approx"),
+            (self.prefix_replay in PREFIX_REPLAY_MODES, "prefix_replay", f"must be one of {', '.join(PREFIX_REPLAY_MODES)}"),
+            (self.prefix_snapshots is None or self.prefix_snapshots >= 0, "prefix_snapshots", "must be ≥ 0"),
         ]
         for ok, name, rule in checks:
             if not ok:

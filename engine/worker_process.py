@@ -224,12 +224,14 @@ class HeartbeatThread(threading.Thread):
         worker, engine = self.worker, self.worker.engine
         sched, st, blocks = engine.scheduler, engine.stats, engine.cache.manager.full
         ep = worker.lockstep.ep if worker.lockstep is not None else None
+        pc = engine.prefix_cache
         return Heartbeat(self.rank, worker.stats.steps, worker.step_started_at, engine.model.layers_run,
                          len(sched.running), len(sched.waiting), blocks.num_used, blocks.num_blocks, time.time(),
                          sched.num_preemptions, st.spec_drafts, st.spec_draft_tokens,
                          list(st.spec_accepted_per_position), worker.stats.max_loop_pause_s,
                          list(ep.last_imbalance) if ep is not None else [], ep.rebalances if ep is not None else 0,
-                         engine.connector.last_stats if engine.connector is not None else None)  # [kv-connector]
+                         engine.connector.last_stats if engine.connector is not None else None,  # [kv-connector]
+                         pc.stats.queries if pc is not None else 0, pc.stats.hits if pc is not None else 0)
 
     def stop(self) -> None:
         self._stop_event.set()

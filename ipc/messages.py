@@ -28,6 +28,7 @@ Int64 = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]
 Seconds = Annotated[float, Meta(ge=0.0)]
 MAX_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 64
+MAX_CACHE_SALT = 256
 FINISH_REASONS = ("stop", "length", "abort", "error")
 FinishReason = Literal["stop", "length", "abort", "error"]
 TopLogprobs = list[list[tuple[int, float]]]  # per generated token: [(token_id, logprob), ...]
@@ -48,6 +49,8 @@ class SamplingParams(Struct, frozen=True, array_like=True):
     logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None  # None = none; N = token + top N
     stop_token_ids: Annotated[tuple[TokenId, ...], Meta(max_length=MAX_STOP_TOKEN_IDS)] = ()
     ignore_eos: bool = False
+    # Prefix-cache tenant: requests share cached KV only with requests of the same salt (vLLM's name).
+    cache_salt: Annotated[str, Meta(min_length=1, max_length=MAX_CACHE_SALT)] | None = None
 
     @property
     def greedy(self) -> bool:
@@ -157,6 +160,9 @@ class Heartbeat(Struct, frozen=True, array_like=True, tag=6):
     expert_imbalance: list[Annotated[float, Meta(ge=0.0)]] = []
     eplb_rebalances: Count = 0
     kv_transfer: KVTransferStats | None = None  # PD disaggregation (None: no --kv-transfer)
+    # Prefix cache (cumulative, tokens): prompt tokens queried and those served from the cache.
+    prefix_cache_queries: Count = 0
+    prefix_cache_hits: Count = 0
 
 
 class KVTransferStats(Struct, frozen=True, array_like=True):

@@ -89,6 +89,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decoder-tail", choices=["exact", "approx"], default="exact",
                    help="DeepSeek-V4.1 prefill: approx runs the layers after the last KV source on each prefill "
                         "chunk's last sliding-window tokens only (decoder-tail bounded replay); exact runs all")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the global KV blocks of prompts' cached prefixes (default on, as in vLLM)")
+    p.add_argument("--prefix-replay", choices=["exact", "bounded"], default="exact",
+                   help="sliding state at a prefix hit: exact (snapshots at block boundaries, else a replay of "
+                        "the window stack's receptive field; output as a cold run) or bounded (vLLM's "
+                        "approximation: recompute only the last window before the hit)")
     add_parallel_args(p)
 
 
@@ -142,7 +148,9 @@ def engine_config_from(args: argparse.Namespace):
                         cuda_graph_sizes=tuple(args.cuda_graph_sizes or ()),
                         enforce_eager=args.enforce_eager, adaptive_speculation=args.adaptive_speculation,
                         kv_cache_memory_bytes=int(args.kv_cache_memory * 2**30), block_size=args.block_size,
-                        decoder_tail=args.decoder_tail)
+                        decoder_tail=args.decoder_tail,
+                        enable_prefix_caching=getattr(args, "enable_prefix_caching", True),
+                        prefix_replay=getattr(args, "prefix_replay", "exact"))
 
 
 def _add_kv_report(sub: argparse._SubParsersAction) -> None:

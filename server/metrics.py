@@ -143,6 +143,10 @@ class Metrics:
         self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Speculative draft tokens accepted.")
         self._spec_accepted_pos = counter("spec_decode_num_accepted_tokens_per_pos",
                                           "Accepted draft tokens by draft position (0-based).", ["position"])
+        # Prefix cache (vLLM's names), in tokens: queried = prompt tokens of admitted requests,
+        # hit = those not computed because their KV came from the cache.
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prefix cache queries, in prompt tokens.")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prefix cache hits, in prompt tokens.")
 
         # Histograms.
         self.ttft = hist("time_to_first_token_seconds", "Arrival to first streamed token.", REQUEST_BUCKETS)
@@ -164,6 +168,8 @@ class Metrics:
         self._last_drafts = 0
         self._last_draft_tokens = 0
         self._last_accepted_pos: list[int] = []
+        self._last_prefix_queries = 0
+        self._last_prefix_hits = 0
 
     # ---- per-request -------------------------------------------------------------------------
 
@@ -233,6 +239,13 @@ class Metrics:
         self.expert_imbalance_max.set(max(imbalance_per_layer, default=1.0))
         self._last_rebalances = self._advance(self.eplb_rebalances, self._last_rebalances, rebalances_total,
                                               "eplb_rebalances")
+    def set_prefix_cache_stats(self, queries_total: int, hits_total: int) -> None:
+        """Publish the prefix cache's cumulative query and hit tokens (summed over workers),
+        as counter increments with the same restart rule as `set_engine_stats`."""
+        self._last_prefix_queries = self._advance(self.prefix_cache_queries, self._last_prefix_queries,
+                                                  queries_total, "prefix_cache_queries")
+        self._last_prefix_hits = self._advance(self.prefix_cache_hits, self._last_prefix_hits, hits_total,
+                                               "prefix_cache_hits")
 
     @staticmethod
     def _delta(last: int, new: int, what: str) -> int:

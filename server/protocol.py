@@ -149,6 +149,7 @@ def _common(body: dict, limits: Limits, max_tokens_field: str, logprobs: int | N
         logprobs=logprobs,
         stop_token_ids=tuple(stop_ids),
         ignore_eos=bool(_get(body, "ignore_eos", (bool,), False)),
+        cache_salt=_get(body, "cache_salt", (str,), None) or None,  # vLLM's name: prefix-cache tenant
     )
     return checked(params, {"max_tokens": max_tokens_field, "logprobs": "top_logprobs"
                             if max_tokens_field == "max_completion_tokens" else "logprobs"})
