@@ -166,10 +166,17 @@ async def serve(args: argparse.Namespace) -> int:
         await asyncio.sleep(0.05)
     stats_task.cancel()
     await feeder.stop()
-    await client.shutdown()  # unfinished requests end with finish_reason "abort"
-    await asyncio.sleep(0.2)  # let their handlers write the last chunks
+    await client.shutdown()  # unfinished requests end with finish_reason "abort" (or a dead rank's cause)
+    deadline = time.monotonic() + FLUSH_TIMEOUT_S
+    while state.in_flight and time.monotonic() < deadline:  # let their handlers write the last events
+        await asyncio.sleep(0.02)
     await runner.cleanup()
     return exit_code
+
+
+# After the engine stops, how long handlers get to write their streams' last events (an error
+# and [DONE]) before the connections close; a loaded machine can need more than a moment.
+FLUSH_TIMEOUT_S = 5.0
 
 
 async def _publish_stats(state: AppState, client) -> None:
