@@ -63,6 +63,7 @@ class Engine:
         k = config.speculative_tokens
         if k > self.cache.manager.slack:
             raise ValueError(f"--speculative-tokens {k} exceeds the KV slack of {self.cache.manager.slack} positions")
+        max_len = _fit_context_to_pool(max_len, self.cache.manager, k)
         sched_cfg = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_len, k)
         # ---- prefix caching (engine/prefix_cache.py) ----
         self.prefix_cache = (PrefixCache.for_engine(self.cache, model.cfg, config.kv_dtype, config.prefix_replay, k > 0)
@@ -212,3 +213,19 @@ def _without_unsupported_prefix_caching(config: EngineConfig, v41: bool) -> Engi
         return config
     logger.info("prefix caching is off: not supported with %s yet", why)
     return dataclasses.replace(config, enable_prefix_caching=False)
+
+
+def _fit_context_to_pool(max_len: int, manager, num_drafts: int) -> int:
+    """The context length one sequence can really reach: a request longer than the full pool
+    could never be scheduled (it would wait forever), so cap the length — the edge then refuses
+    such requests with a 400 naming the limit — and say so once, as vLLM does at start."""
+    # block 0 is the dummy; a verify step writes up to num_drafts positions past the sequence
+    fits = (manager.full.num_blocks - 1) * manager.block_size - num_drafts
+    if fits >= max_len:
+        return max_len
+    if fits < 2:
+        raise ValueError(f"the KV pool holds {manager.full.num_blocks - 1} blocks of {manager.block_size}: "
+                         "not one sequence; give it more memory (--kv-cache-memory)")
+    logger.warning("context length capped at %d tokens: the KV pool holds no more for one sequence "
+                   "(raise --kv-cache-memory for %d)", fits, max_len)
+    return fits
