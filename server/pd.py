@@ -64,12 +64,24 @@ def kv_transfer_config_from(args: argparse.Namespace, model_dir: Path | None) ->
             raise ValueError(f"{flag} must be in (0, 86400] seconds, got {value}")
     if args.kv_replay_tokens < 0:
         raise ValueError("--kv-replay-tokens must be ≥ 0")
+    if model_dir is not None and _is_v41(model_dir):
+        raise ValueError("--kv-transfer is not supported for DeepSeek-V4.1 checkpoints yet (its KV layout has "
+                         "no transfer plan); serve it colocated")
     return KVTransferConfig(role=args.kv_role, transport=args.kv_transfer, host=advertised_host(args),
                             port=args.kv_transfer_port, failure_policy=args.kv_load_failure_policy,
                             lease_s=args.kv_lease_timeout, transfer_timeout_s=args.kv_transfer_timeout,
                             connect_timeout_s=args.kv_connect_timeout,
                             model_id=model_fingerprint(model_dir) if model_dir else "", idle_peer_s=args.kv_peer_idle_timeout,
                             replay_tokens=args.kv_replay_tokens)
+
+
+def _is_v41(model_dir: Path) -> bool:
+    from engine.config import ModelConfig  # torch-free
+
+    try:
+        return ModelConfig.from_model_dir(Path(model_dir)).arch == "v41"
+    except (OSError, ValueError):
+        return False  # an unreadable checkpoint is reported where it is loaded
 
 
 def advertised_host(args: argparse.Namespace) -> str:
