@@ -6,9 +6,9 @@
 
 Makes a model when no directory is given (transformers peer: `make-model DIR --preset small`;
 llama.cpp peer: the 6-layer FP8/FP4 tiny V4 of perf/peer_llamacpp.py), starts `python -m
-server.cli serve MODEL_DIR --port P` and the peer, runs `bench serve` against each at every
-concurrency (same seed, lengths and `ignore_eos`, so both decode the same number of tokens),
-then prints output tok/s, median TPOT and TTFT and p90 per-user tok/s side by side with the
+server.cli serve MODEL_DIR --port P`, runs `bench serve` against it at every concurrency and
+stops it, then does the same with the peer (same seed, lengths and `ignore_eos`, so both decode
+the same number of tokens; one server at a time, so an idle one takes no cores), prints output tok/s, median TPOT and TTFT and p90 per-user tok/s side by side with the
 ringserve/peer ratios, and writes each run's JSON plus `compare.png` to --out-dir. The
 transformers peer is perf/peer_server.py; the llama.cpp peer is built from the llama-cpp-python
 sdist and fed a GGUF from llama.cpp's own converter at benchmark time (perf/peer_llamacpp.py,
@@ -71,7 +71,8 @@ def _start(cmd: list[str], log: Path, threads: int) -> subprocess.Popen:
 def _bench(url: str, label: str, c: int, a: argparse.Namespace) -> dict:
     argv = ["serve", "--url", url, "--label", label, "--workload", a.workload, "--endpoint", a.endpoint,
             "--max-concurrency", str(c),
-            "--num-prompts", str(a.num_prompts or a.prompts_per_concurrency * c), "--num-warmups", str(c), "--ignore-eos",
+            "--num-prompts", str(a.num_prompts or a.prompts_per_concurrency * c), "--num-warmups", str(c),
+            "--ignore-eos",
             "--input-len", str(a.input_len), "--output-len", str(a.output_len), "--seed", str(a.seed),
             "--num-sessions", str(2 * c), "--think-time-scale", str(a.think_time_scale), "--disable-tqdm"]
     args = cli.build_parser().parse_args(argv)
@@ -160,6 +161,18 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             proc.wait()
 
 
+def _serve_and_bench(cmd: list[str], log: Path, url: str, label: str, levels: list[int],
+                     a: argparse.Namespace) -> dict[int, dict]:
+    """Start one server, bench it at every concurrency, stop it: the other server is not running
+    meanwhile, so an idle server's threads never take cores from the one being measured."""
+    proc = _start(cmd, log, a.threads)
+    try:
+        _wait_up(url, proc, label, a.startup_timeout)
+        return {c: _bench(url, label, c, a) for c in levels}
+    finally:
+        _stop([proc])
+
+
 def compare(a: argparse.Namespace, serve_flags: list[str]) -> int:
     if not _has_serve():
         raise CompareError("`python -m server.cli serve` does not exist yet (the lead is adding it to "
@@ -171,32 +184,25 @@ def compare(a: argparse.Namespace, serve_flags: list[str]) -> int:
     peer_cmd, peer_desc = peer_command(a, model_dir, max(levels))
     if "--threads-per-worker" not in serve_flags:
         serve_flags = [*serve_flags, "--threads-per-worker", str(a.threads)]
-    ring_url, peer_url = f"http://127.0.0.1:{a.ringserve_port}", f"http://127.0.0.1:{a.peer_port}"
-    procs = [
-        _start([sys.executable, "-m", "server.cli", "serve", model_dir, "--port", str(a.ringserve_port), *serve_flags],
-               out / "ringserve.log", a.threads),
-        _start(peer_cmd, out / "peer.log", a.threads),
-    ]
-    try:
-        _wait_up(ring_url, procs[0], "ringserve serve", a.startup_timeout)
-        _wait_up(peer_url, procs[1], "peer server", a.startup_timeout)
-        print(f"# {cpu_model()}; {a.threads} threads per server; model {model_dir}")
-        print(f"# peer: {peer_desc}")
-        print(f"# workload {a.workload}, endpoint {a.endpoint}, input {a.input_len}, output {a.output_len} "
-              f"(ignore_eos), " + (f"{a.num_prompts} requests per level" if a.num_prompts else
-                                  f"{a.prompts_per_concurrency} requests per unit of concurrency") + "; ratio = ringserve/peer")
-        print(table_header())
-        docs = []
-        for c in levels:
-            r, p = _bench(ring_url, "ringserve", c, a), _bench(peer_url, a.peer, c, a)
-            for d in (r, p):
-                report.write_document(d, out / f"{d['label']}_c{c}.json")
-                docs.append(d)
-            print(table_row(c, r, p), flush=True)
-        plot.draw(docs, out / "compare.png")
-        print(f"results and compare.png in {out}")
-    finally:
-        _stop(procs)
+    ring_cmd = [sys.executable, "-m", "server.cli", "serve", model_dir, "--port", str(a.ringserve_port), *serve_flags]
+    ring = _serve_and_bench(ring_cmd, out / "ringserve.log", f"http://127.0.0.1:{a.ringserve_port}", "ringserve",
+                            levels, a)
+    peer = _serve_and_bench(peer_cmd, out / "peer.log", f"http://127.0.0.1:{a.peer_port}", a.peer, levels, a)
+    per_level = (f"{a.num_prompts} requests per level" if a.num_prompts
+                 else f"{a.prompts_per_concurrency} requests per unit of concurrency")
+    print(f"# {cpu_model()}; {a.threads} threads per server; model {model_dir}")
+    print(f"# peer: {peer_desc}")
+    print(f"# workload {a.workload}, endpoint {a.endpoint}, input {a.input_len}, output {a.output_len} "
+          f"(ignore_eos), {per_level}; ratio = ringserve/peer")
+    print(table_header())
+    docs = []
+    for c in levels:
+        for d in (ring[c], peer[c]):
+            report.write_document(d, out / f"{d['label']}_c{c}.json")
+            docs.append(d)
+        print(table_row(c, ring[c], peer[c]))
+    plot.draw(docs, out / "compare.png")
+    print(f"results and compare.png in {out}")
     return 0
 
 
