@@ -8,8 +8,8 @@ Makes a model when no directory is given (transformers peer: `make-model DIR --p
 llama.cpp peer: the 6-layer FP8/FP4 tiny V4 of perf/peer_llamacpp.py), starts `python -m
 server.cli serve MODEL_DIR --port P`, runs `bench serve` against it at every concurrency and
 stops it, then does the same with the peer (same seed, lengths and `ignore_eos`, so both decode
-the same number of tokens; one server at a time, so an idle one takes no cores), prints output tok/s, median TPOT and TTFT and p90 per-user tok/s side by side with the
-ringserve/peer ratios, and writes each run's JSON plus `compare.png` to --out-dir. The
+the same number of tokens; one server at a time, so an idle one takes no cores), prints output
+tok/s, median TPOT and TTFT and p90 per-user tok/s side by side with the ringserve/peer ratios, and writes each run's JSON plus `compare.png` to --out-dir. The
 transformers peer is perf/peer_server.py; the llama.cpp peer is built from the llama-cpp-python
 sdist and fed a GGUF from llama.cpp's own converter at benchmark time (perf/peer_llamacpp.py,
 cached under --cache-dir), never a ringserve dependency. Both servers get the same thread count
