@@ -9,10 +9,11 @@ llama.cpp peer: the 6-layer FP8/FP4 tiny V4 of perf/peer_llamacpp.py), starts `p
 server.cli serve MODEL_DIR --port P`, runs `bench serve` against it at every concurrency and
 stops it, then does the same with the peer (same seed, lengths and `ignore_eos`, so both decode
 the same number of tokens; one server at a time, so an idle one takes no cores), prints output
-tok/s, median TPOT and TTFT and p90 per-user tok/s side by side with the ringserve/peer ratios, and writes each run's JSON plus `compare.png` to --out-dir. The
-transformers peer is perf/peer_server.py; the llama.cpp peer is built from the llama-cpp-python
-sdist and fed a GGUF from llama.cpp's own converter at benchmark time (perf/peer_llamacpp.py,
-cached under --cache-dir), never a ringserve dependency. Both servers get the same thread count
+tok/s, median TPOT and TTFT and p90 per-user tok/s side by side with the ringserve/peer ratios,
+and writes each run's JSON plus `compare.png` to --out-dir. The transformers peer is
+perf/peer_server.py; the llama.cpp peer is built from the llama-cpp-python sdist and fed a GGUF
+from llama.cpp's own converter at benchmark time (perf/peer_llamacpp.py, cached under
+--cache-dir), never a ringserve dependency. Both servers get the same thread count
 (OMP_NUM_THREADS, ringserve's --threads-per-worker unless given after `--`, the peer's threads).
 Exits 2 with one line if `ringserve serve` does not exist, the peer cannot be built, or a server
 does not come up.
