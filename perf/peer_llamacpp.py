@@ -135,10 +135,13 @@ def server_command(binary: Path, gguf: Path, port: int, threads: int, slots: int
     """llama-server with `slots` parallel sequences of `ctx_per_slot` tokens each.
 
     llama.cpp splits `--ctx-size` evenly over `--parallel` slots; continuous batching is on, so
-    concurrent requests decode in one batch as in ringserve."""
+    concurrent requests decode in one batch as in ringserve. `--no-repack`: with the CPU repacked
+    weight buffers (the default) build b11312 aborts on this DeepSeek-V4 GGUF while reserving its
+    graph (`GGML_ASSERT(*cur_backend_id != -1)` in ggml_backend_sched_split_graph)."""
     return [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
             "--threads", str(threads), "--threads-batch", str(threads), "--parallel", str(slots),
-            "--ctx-size", str(slots * ctx_per_slot), "--cont-batching", "--no-webui", "--alias", name]
+            "--ctx-size", str(slots * ctx_per_slot), "--cont-batching", "--no-repack", "--no-webui",
+            "--alias", name]
 
 
 def make_model(out_dir: Path, seed: int = 0) -> Path:

@@ -23,7 +23,7 @@ def test_server_command_gives_every_slot_its_context() -> None:
     assert opt["-m"] == "/m.gguf" and opt["--port"] == "18401" and opt["--host"] == "127.0.0.1"
     assert opt["--threads"] == opt["--threads-batch"] == "2"
     assert int(opt["--ctx-size"]) == 16 * 512 and opt["--parallel"] == "16"
-    assert "--cont-batching" in cmd and opt["--alias"] == "tiny"
+    assert "--cont-batching" in cmd and "--no-repack" in cmd and opt["--alias"] == "tiny"
 
 
 def test_build_commands_target_only_the_server(tmp_path: Path) -> None:
