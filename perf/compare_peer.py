@@ -167,9 +167,14 @@ def _serve_and_bench(cmd: list[str], log: Path, url: str, label: str, levels: li
     """Start one server, bench it at every concurrency, stop it: the other server is not running
     meanwhile, so an idle server's threads never take cores from the one being measured."""
     proc = _start(cmd, log, a.threads)
+    docs = {}
     try:
         _wait_up(url, proc, label, a.startup_timeout)
-        return {c: _bench(url, label, c, a) for c in levels}
+        for c in levels:
+            docs[c] = _bench(url, label, c, a)
+            report.write_document(docs[c], log.parent / f"{label}_c{c}.json")
+            print(f"{label} c={c}: {docs[c]['output_throughput']:.1f} output tok/s", file=sys.stderr, flush=True)
+        return docs
     finally:
         _stop([proc])
 
@@ -198,9 +203,7 @@ def compare(a: argparse.Namespace, serve_flags: list[str]) -> int:
     print(table_header())
     docs = []
     for c in levels:
-        for d in (ring[c], peer[c]):
-            report.write_document(d, out / f"{d['label']}_c{c}.json")
-            docs.append(d)
+        docs += [ring[c], peer[c]]
         print(table_row(c, ring[c], peer[c]))
     plot.draw(docs, out / "compare.png")
     print(f"results and compare.png in {out}")
