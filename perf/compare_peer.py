@@ -69,10 +69,24 @@ def _start(cmd: list[str], log: Path, threads: int) -> subprocess.Popen:
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
 
 
+def prompts_at(a: argparse.Namespace, c: int) -> int:
+    """Requests at concurrency `c`: from --num-prompts (one count, or one per --concurrency level)
+    or --prompts-per-concurrency × c."""
+    if not a.num_prompts:
+        return a.prompts_per_concurrency * c
+    counts = [int(x) for x in a.num_prompts.split(",")]
+    if len(counts) == 1:
+        return counts[0]
+    levels = [int(x) for x in a.concurrency.split(",")]
+    if len(counts) != len(levels):
+        raise CompareError(f"--num-prompts has {len(counts)} counts for {len(levels)} concurrency levels")
+    return counts[levels.index(c)]
+
+
 def _bench(url: str, label: str, c: int, a: argparse.Namespace) -> dict:
     argv = ["serve", "--url", url, "--label", label, "--workload", a.workload, "--endpoint", a.endpoint,
             "--max-concurrency", str(c),
-            "--num-prompts", str(a.num_prompts or a.prompts_per_concurrency * c), "--num-warmups", str(c),
+            "--num-prompts", str(prompts_at(a, c)), "--num-warmups", str(c),
             "--ignore-eos",
             "--input-len", str(a.input_len), "--output-len", str(a.output_len), "--seed", str(a.seed),
             "--num-sessions", str(2 * c), "--think-time-scale", str(a.think_time_scale), "--disable-tqdm"]
@@ -194,8 +208,7 @@ def compare(a: argparse.Namespace, serve_flags: list[str]) -> int:
     ring = _serve_and_bench(ring_cmd, out / "ringserve.log", f"http://127.0.0.1:{a.ringserve_port}", "ringserve",
                             levels, a)
     peer = _serve_and_bench(peer_cmd, out / "peer.log", f"http://127.0.0.1:{a.peer_port}", a.peer, levels, a)
-    per_level = (f"{a.num_prompts} requests per level" if a.num_prompts
-                 else f"{a.prompts_per_concurrency} requests per unit of concurrency")
+    per_level = "requests " + ",".join(f"{prompts_at(a, c)} at c={c}" for c in levels)
     print(f"# {cpu_model()}; {a.threads} threads per server; model {model_dir}")
     print(f"# peer: {peer_desc}")
     print(f"# workload {a.workload}, endpoint {a.endpoint}, input {a.input_len}, output {a.output_len} "
@@ -223,8 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workload", choices=["fixed", "agentx"], default="fixed")
     ap.add_argument("--concurrency", default="1,2,4")
     ap.add_argument("--prompts-per-concurrency", type=int, default=8)
-    ap.add_argument("--num-prompts", type=int, default=None,
-                    help="requests per concurrency level (default: --prompts-per-concurrency × concurrency)")
+    ap.add_argument("--num-prompts", default=None,
+                    help="requests per level: N, or N1,N2,... per --concurrency level "
+                         "(default: --prompts-per-concurrency × concurrency)")
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--think-time-scale", type=float, default=0.1)

@@ -127,3 +127,13 @@ async def _llama_shaped_side_endpoints(text_to_ids: dict[str, list[int]]) -> tup
 def test_side_endpoints_speak_llama_server_fields() -> None:
     ids, text = asyncio.run(_llama_shaped_side_endpoints({"hello world": [5, 6], "abc": [7, 8, 9]}))
     assert ids == [5, 6] and text == "abc"
+
+
+def test_prompt_counts_per_concurrency_level() -> None:
+    ns = lambda **kw: types.SimpleNamespace(**{"num_prompts": None, "prompts_per_concurrency": 8,  # noqa: E731
+                                               "concurrency": "1,16", **kw})
+    assert [compare_peer.prompts_at(ns(), c) for c in (1, 16)] == [8, 128]
+    assert [compare_peer.prompts_at(ns(num_prompts="32"), c) for c in (1, 16)] == [32, 32]
+    assert [compare_peer.prompts_at(ns(num_prompts="4,16"), c) for c in (1, 16)] == [4, 16]
+    with pytest.raises(compare_peer.CompareError):
+        compare_peer.prompts_at(ns(num_prompts="4,16,64"), 1)
