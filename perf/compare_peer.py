@@ -1,15 +1,22 @@
-"""ringserve vs the transformers peer (`perf/peer_server.py`) on the same model and workload.
+"""ringserve vs a peer server on the same model and workload: transformers or llama.cpp's llama-server.
 
-    python perf/compare_peer.py [--model-dir DIR] [--concurrency 1,2,4] [--workload fixed|agentx]
+    python perf/compare_peer.py [--peer transformers|llama.cpp] [--model-dir DIR] [--concurrency 1,2,4]
+                                [--workload fixed|agentx] [--endpoint chat|completions]
                                 [--input-len 128 --output-len 32] [--out-dir DIR] [-- SERVE_FLAGS...]
 
-Makes the `small` model when no directory is given (`python -m server.cli make-model DIR --preset
-small`), starts `python -m server.cli serve MODEL_DIR --port P` and the peer, runs `bench serve`
-against each at every concurrency, then prints output tok/s and p90 per-user tok/s with the
-ringserve/peer ratios, and writes each run's JSON plus `compare.png` to --out-dir. Both servers
-get the same thread count (OMP_NUM_THREADS, ringserve's --threads-per-worker unless given after
-`--`, the peer's --threads). Exits 2 with one
-line if `ringserve serve` does not exist yet or a server does not come up.
+Makes a model when no directory is given (transformers peer: `make-model DIR --preset small`;
+llama.cpp peer: the 6-layer FP8/FP4 tiny V4 of perf/peer_llamacpp.py), starts `python -m
+server.cli serve MODEL_DIR --port P`, runs `bench serve` against it at every concurrency and
+stops it, then does the same with the peer (same seed, lengths and `ignore_eos`, so both decode
+the same number of tokens; one server at a time, so an idle one takes no cores), prints output
+tok/s, median TPOT and TTFT and p90 per-user tok/s side by side with the ringserve/peer ratios,
+and writes each run's JSON plus `compare.png` to --out-dir. The transformers peer is
+perf/peer_server.py; the llama.cpp peer is built from the llama-cpp-python sdist and fed a GGUF
+from llama.cpp's own converter at benchmark time (perf/peer_llamacpp.py, cached under
+--cache-dir), never a ringserve dependency. Both servers get the same thread count
+(OMP_NUM_THREADS, ringserve's --threads-per-worker unless given after `--`, the peer's threads).
+Exits 2 with one line if `ringserve serve` does not exist, the peer cannot be built, or a server
+does not come up.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from perf import peer_llamacpp  # noqa: E402
 from perf.serving import bench, cli, plot, report  # noqa: E402
 
 
@@ -61,17 +69,128 @@ def _start(cmd: list[str], log: Path, threads: int) -> subprocess.Popen:
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
 
 
+def prompts_at(a: argparse.Namespace, c: int) -> int:
+    """Requests at concurrency `c`: from --num-prompts (one count, or one per --concurrency level)
+    or --prompts-per-concurrency × c."""
+    if not a.num_prompts:
+        return a.prompts_per_concurrency * c
+    counts = [int(x) for x in a.num_prompts.split(",")]
+    if len(counts) == 1:
+        return counts[0]
+    levels = [int(x) for x in a.concurrency.split(",")]
+    if len(counts) != len(levels):
+        raise CompareError(f"--num-prompts has {len(counts)} counts for {len(levels)} concurrency levels")
+    return counts[levels.index(c)]
+
+
 def _bench(url: str, label: str, c: int, a: argparse.Namespace) -> dict:
-    argv = ["serve", "--url", url, "--label", label, "--workload", a.workload, "--max-concurrency", str(c),
-            "--num-prompts", str(a.prompts_per_concurrency * c), "--num-warmups", str(c), "--ignore-eos",
+    argv = ["serve", "--url", url, "--label", label, "--workload", a.workload, "--endpoint", a.endpoint,
+            "--max-concurrency", str(c),
+            "--num-prompts", str(prompts_at(a, c)), "--num-warmups", str(c),
+            "--ignore-eos",
             "--input-len", str(a.input_len), "--output-len", str(a.output_len), "--seed", str(a.seed),
             "--num-sessions", str(2 * c), "--think-time-scale", str(a.think_time_scale), "--disable-tqdm"]
     args = cli.build_parser().parse_args(argv)
     return asyncio.run(bench.run_one(args))
 
 
+PEERS = ("transformers", "llama.cpp")
+# (document key, column title, format): ratio columns are always ringserve / peer.
+COLUMNS = (("output_throughput", "out tok/s", "{:.1f}"), ("tpot_ms", "TPOT ms p50", "{:.2f}"),
+           ("ttft_ms", "TTFT ms p50", "{:.1f}"), ("interactivity_tok_s_per_user", "tok/s/user p90", "{:.1f}"))
+
+
+def _metric(doc: dict, key: str) -> float | None:
+    v = doc.get(key)
+    if isinstance(v, dict):
+        v = v.get("p90" if key == "interactivity_tok_s_per_user" else "p50")
+    return float(v) if isinstance(v, (int, float)) else None
+
+
 def _ratio(a: float | None, b: float | None) -> str:
-    return f"{a / b:6.2f}x" if a and b else "   n/a"
+    return f"{a / b:.2f}x" if a and b else "n/a"
+
+
+def _fmt(fmt: str, v: float | None) -> str:
+    return "n/a" if v is None else fmt.format(v)
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+def table_header() -> str:
+    cells = [f"{'c':>3}"]
+    for _, title, _ in COLUMNS:
+        cells += [f"{'ring ' + title:>19}", f"{'peer ' + title:>19}", f"{'ratio':>7}"]
+    return " ".join(cells)
+
+
+def table_row(c: int, ring: dict, peer: dict) -> str:
+    cells = [f"{c:>3}"]
+    for key, _, fmt in COLUMNS:
+        r, p = _metric(ring, key), _metric(peer, key)
+        cells += [f"{_fmt(fmt, r):>19}", f"{_fmt(fmt, p):>19}", f"{_ratio(r, p):>7}"]
+    return " ".join(cells)
+
+
+def _make_model(a: argparse.Namespace) -> str:
+    model_dir = str(Path(tempfile.mkdtemp(prefix=f"ringserve-{a.peer.replace('.', '')}-")))
+    if a.peer == "llama.cpp":
+        cmd = [sys.executable, str(REPO / "perf" / "peer_llamacpp.py"), "make-model", model_dir, "--seed", str(a.seed)]
+    else:
+        cmd = [sys.executable, "-m", "server.cli", "make-model", model_dir, "--preset", "small"]
+    subprocess.run(cmd, cwd=REPO, check=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    return model_dir
+
+
+def peer_command(a: argparse.Namespace, model_dir: str, slots: int) -> tuple[list[str], str]:
+    """The peer's command line and a one-line description (builds/converts for llama.cpp)."""
+    if a.peer == "transformers":
+        return ([sys.executable, str(REPO / "perf" / "peer_server.py"), model_dir, "--port", str(a.peer_port),
+                 "--threads", str(a.threads)], "transformers (perf/peer_server.py, one request at a time)")
+    cache = Path(a.cache_dir)
+    binary = peer_llamacpp.build_server(cache, a.build_jobs)
+    gguf = peer_llamacpp.convert_model(cache, Path(model_dir))
+    version = subprocess.run([str(binary), "--version"], capture_output=True, text=True)
+    line = next((ln for ln in (version.stdout + version.stderr).splitlines() if ln.startswith("version")), "")
+    cmd = peer_llamacpp.server_command(binary, gguf, a.peer_port, a.threads, slots, a.ctx_per_slot,
+                                       Path(model_dir).name)
+    return cmd, f"llama.cpp llama-server ({line or 'version unknown'}; {slots} slots; {gguf.name})"
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _serve_and_bench(cmd: list[str], log: Path, url: str, label: str, levels: list[int],
+                     a: argparse.Namespace) -> dict[int, dict]:
+    """Start one server, bench it at every concurrency, stop it: the other server is not running
+    meanwhile, so an idle server's threads never take cores from the one being measured."""
+    proc = _start(cmd, log, a.threads)
+    docs = {}
+    try:
+        _wait_up(url, proc, label, a.startup_timeout)
+        for c in levels:
+            docs[c] = _bench(url, label, c, a)
+            report.write_document(docs[c], log.parent / f"{label}_c{c}.json")
+            print(f"{label} c={c}: {docs[c]['output_throughput']:.1f} output tok/s", file=sys.stderr, flush=True)
+        return docs
+    finally:
+        _stop([proc])
 
 
 def compare(a: argparse.Namespace, serve_flags: list[str]) -> int:
@@ -80,46 +199,27 @@ def compare(a: argparse.Namespace, serve_flags: list[str]) -> int:
                            "server/cli.py); nothing to compare against")
     out = Path(a.out_dir or tempfile.mkdtemp(prefix="compare-peer-"))
     out.mkdir(parents=True, exist_ok=True)
-    model_dir = a.model_dir
-    if model_dir is None:
-        model_dir = str(Path(tempfile.mkdtemp(prefix="ringserve-small-")))
-        subprocess.run([sys.executable, "-m", "server.cli", "make-model", model_dir, "--preset", "small"],
-                       cwd=REPO, check=True)
+    levels = [int(x) for x in a.concurrency.split(",")]
+    model_dir = a.model_dir or _make_model(a)
+    peer_cmd, peer_desc = peer_command(a, model_dir, max(levels))
     if "--threads-per-worker" not in serve_flags:
         serve_flags = [*serve_flags, "--threads-per-worker", str(a.threads)]
-    ring_url, peer_url = f"http://127.0.0.1:{a.ringserve_port}", f"http://127.0.0.1:{a.peer_port}"
-    procs = [
-        _start([sys.executable, "-m", "server.cli", "serve", model_dir, "--port", str(a.ringserve_port), *serve_flags],
-               out / "ringserve.log", a.threads),
-        _start([sys.executable, str(REPO / "perf" / "peer_server.py"), model_dir, "--port", str(a.peer_port),
-                "--threads", str(a.threads)], out / "peer.log", a.threads),
-    ]
-    try:
-        _wait_up(ring_url, procs[0], "ringserve serve", a.startup_timeout)
-        _wait_up(peer_url, procs[1], "peer server", a.startup_timeout)
-        docs = []
-        print(f"{'c':>4} {'ringserve tok/s':>16} {'peer tok/s':>11} {'ratio':>7} "
-              f"{'ring p90 tok/s/user':>20} {'peer p90':>9} {'ratio':>7}")
-        for c in [int(x) for x in a.concurrency.split(",")]:
-            r, p = _bench(ring_url, "ringserve", c, a), _bench(peer_url, "peer", c, a)
-            for d in (r, p):
-                report.write_document(d, out / f"{d['label']}_c{c}.json")
-                docs.append(d)
-            r90 = r["interactivity_tok_s_per_user"]["p90"]
-            p90 = p["interactivity_tok_s_per_user"]["p90"]
-            print(f"{c:>4} {r['output_throughput']:>16.1f} {p['output_throughput']:>11.1f} "
-                  f"{_ratio(r['output_throughput'], p['output_throughput'])} {r90 or 0:>20.1f} {p90 or 0:>9.1f} "
-                  f"{_ratio(r90, p90)}")
-        plot.draw(docs, out / "compare.png")
-        print(f"results and compare.png in {out}")
-    finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+    ring_cmd = [sys.executable, "-m", "server.cli", "serve", model_dir, "--port", str(a.ringserve_port), *serve_flags]
+    ring = _serve_and_bench(ring_cmd, out / "ringserve.log", f"http://127.0.0.1:{a.ringserve_port}", "ringserve",
+                            levels, a)
+    peer = _serve_and_bench(peer_cmd, out / "peer.log", f"http://127.0.0.1:{a.peer_port}", a.peer, levels, a)
+    per_level = "requests " + ",".join(f"{prompts_at(a, c)} at c={c}" for c in levels)
+    print(f"# {cpu_model()}; {a.threads} threads per server; model {model_dir}")
+    print(f"# peer: {peer_desc}")
+    print(f"# workload {a.workload}, endpoint {a.endpoint}, input {a.input_len}, output {a.output_len} "
+          f"(ignore_eos), {per_level}; ratio = ringserve/peer")
+    print(table_header())
+    docs = []
+    for c in levels:
+        docs += [ring[c], peer[c]]
+        print(table_row(c, ring[c], peer[c]))
+    plot.draw(docs, out / "compare.png")
+    print(f"results and compare.png in {out}")
     return 0
 
 
@@ -129,11 +229,16 @@ def main(argv: list[str] | None = None) -> int:
     if "--" in argv:
         i = argv.index("--")
         argv, serve_flags = argv[:i], argv[i + 1:]
-    ap = argparse.ArgumentParser(description="ringserve vs the transformers peer server")
-    ap.add_argument("--model-dir", default=None, help="default: a fresh `small` model")
+    ap = argparse.ArgumentParser(description="ringserve vs a peer server (transformers or llama.cpp)")
+    ap.add_argument("--peer", choices=PEERS, default="transformers")
+    ap.add_argument("--model-dir", default=None, help="default: a fresh model made for the peer")
+    ap.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
     ap.add_argument("--workload", choices=["fixed", "agentx"], default="fixed")
     ap.add_argument("--concurrency", default="1,2,4")
     ap.add_argument("--prompts-per-concurrency", type=int, default=8)
+    ap.add_argument("--num-prompts", default=None,
+                    help="requests per level: N, or N1,N2,... per --concurrency level "
+                         "(default: --prompts-per-concurrency × concurrency)")
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--think-time-scale", type=float, default=0.1)
@@ -143,10 +248,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peer-port", type=int, default=18401)
     ap.add_argument("--startup-timeout", type=float, default=300.0)
     ap.add_argument("--out-dir", default=None, help="default: a fresh temporary directory")
+    ap.add_argument("--cache-dir", default=str(peer_llamacpp.DEFAULT_CACHE),
+                    help="llama.cpp sdist, build and GGUF cache (llama.cpp peer)")
+    ap.add_argument("--build-jobs", type=int, default=2, help="ninja jobs for building llama-server")
+    ap.add_argument("--ctx-per-slot", type=int, default=1024, help="llama-server context per parallel slot")
     a = ap.parse_args(argv)
     try:
         return compare(a, serve_flags)
-    except (CompareError, bench.BenchError, subprocess.CalledProcessError) as exc:
+    except (CompareError, peer_llamacpp.PeerBuildError, bench.BenchError, subprocess.CalledProcessError) as exc:
         print(f"compare_peer: error: {exc}", file=sys.stderr)
         return 2
 

@@ -2,7 +2,8 @@
 
 /tokenize and /detokenize follow vLLM's shape: POST /tokenize {"model", "prompt",
 "add_special_tokens"} → {"tokens": [...], "count": n}; POST /detokenize {"model", "tokens"} →
-{"prompt": text}. Every helper returns None when the endpoint is missing or fails.
+{"prompt": text}. llama.cpp's llama-server names the text "content" on both (and "add_special"),
+so both names are sent and read. Every helper returns None when the endpoint is missing or fails.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ async def tokenize(http: aiohttp.ClientSession, base_url: str, model: str, text:
                    headers: dict[str, str]) -> list[int] | None:
     """Token ids of `text` without special tokens, or None."""
     data = await _post(http, _root(base_url) + "/tokenize",
-                       {"model": model, "prompt": text, "add_special_tokens": False}, headers)
+                       {"model": model, "prompt": text, "content": text, "add_special_tokens": False,
+                        "add_special": False}, headers)
     tokens = data.get("tokens") if isinstance(data, dict) else None
     return [int(t) for t in tokens] if isinstance(tokens, list) else None
 
@@ -60,7 +62,7 @@ async def detokenize(http: aiohttp.ClientSession, base_url: str, model: str, tok
                      headers: dict[str, str]) -> str | None:
     """Text of `tokens`, or None."""
     data = await _post(http, _root(base_url) + "/detokenize", {"model": model, "tokens": tokens}, headers)
-    text = data.get("prompt") if isinstance(data, dict) else None
+    text = data.get("prompt", data.get("content")) if isinstance(data, dict) else None
     return text if isinstance(text, str) else None
 
 
