@@ -13,12 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .attention_ops import finish_entries, index_scores, pool_span, sink_attention, top_k_entries
 from .config import ModelConfig
 from .layers import apply_rope, head_rms_norm, rms_norm
+from .linear import GroupedLinear, Linear
 
 # Queries are processed in blocks so that prefill never materialises a T×T score matrix.
 QUERY_BLOCK = 256
@@ -50,10 +50,6 @@ class StepRope:
     compress_table: object  # RotaryTable for entry positions
 
 
-def _linear(in_features: int, out_features: int) -> nn.Parameter:
-    return nn.Parameter(torch.empty(out_features, in_features))
-
-
 class Compressor(nn.Module):
     """Gated pooling of every `ratio` tokens into one entry (HCA) or, with `overlap`, of the
     previous window's Ca half plus the current window's Cb half (CSA)."""
@@ -62,8 +58,8 @@ class Compressor(nn.Module):
         super().__init__()
         self.ratio, self.overlap, self.out_dim, self.eps = ratio, overlap, out_dim, eps
         width = (2 if overlap else 1) * out_dim
-        self.wkv = _linear(hidden, width)
-        self.wgate = _linear(hidden, width)
+        self.wkv = Linear(hidden, width)
+        self.wgate = Linear(hidden, width)
         self.ape = nn.Parameter(torch.empty(ratio, width))  # fp32 position bias per window slot
         self.norm = nn.Parameter(torch.empty(out_dim))
 
@@ -74,8 +70,8 @@ class Compressor(nn.Module):
 
     def project(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rows [C | Z + ape] for every token: [T, 2·width], fp32."""
-        c = F.linear(x, self.wkv).float()
-        z = F.linear(x, self.wgate).float() + self.ape.float()[positions % self.ratio]
+        c = self.wkv(x).float()
+        z = self.wgate(x).float() + self.ape.float()[positions % self.ratio]
         return torch.cat((c, z), dim=-1)
 
 
@@ -85,15 +81,15 @@ class Indexer(nn.Module):
     def __init__(self, cfg: ModelConfig, ratio: int):
         super().__init__()
         self.num_heads, self.head_dim, self.topk, self.ratio = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk, ratio
-        self.wq_b = _linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim)
-        self.weights_proj = _linear(cfg.hidden_size, cfg.index_n_heads)
+        self.wq_b = Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim)
+        self.weights_proj = Linear(cfg.hidden_size, cfg.index_n_heads)
         self.compressor = Compressor(cfg.hidden_size, cfg.index_head_dim, ratio, True, cfg.rms_norm_eps)
 
     def queries(self, q_res: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """(index queries [T, Hi, dI] fp32, head weights [T, Hi] fp32)."""
-        q = F.linear(q_res, self.wq_b).view(q_res.shape[0], self.num_heads, self.head_dim)
+        q = self.wq_b(q_res).view(q_res.shape[0], self.num_heads, self.head_dim)
         q = apply_rope(q, cos, sin).float()
-        w = F.linear(x, self.weights_proj).float() * self.num_heads**-0.5
+        w = self.weights_proj(x).float() * self.num_heads**-0.5
         return q, w
 
 
@@ -102,13 +98,13 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg, self.kind, self.ratio = cfg, kind, ratio
         h, hd = cfg.num_heads, cfg.head_dim
-        self.wq_a = _linear(cfg.hidden_size, cfg.q_lora_rank)
+        self.wq_a = Linear(cfg.hidden_size, cfg.q_lora_rank)
         self.q_norm = nn.Parameter(torch.empty(cfg.q_lora_rank))
-        self.wq_b = _linear(cfg.q_lora_rank, h * hd)
-        self.wkv = _linear(cfg.hidden_size, hd)
+        self.wq_b = Linear(cfg.q_lora_rank, h * hd)
+        self.wkv = Linear(cfg.hidden_size, hd)
         self.kv_norm = nn.Parameter(torch.empty(hd))
-        self.wo_a = _linear(h * hd // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank)
-        self.wo_b = _linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size)
+        self.wo_a = GroupedLinear(cfg.o_groups, h * hd // cfg.o_groups, cfg.o_lora_rank)  # stored [G·o_lora, H·hd/G]
+        self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size)
         self.attn_sink = nn.Parameter(torch.empty(h))
         self.compressor = Compressor(cfg.hidden_size, hd, ratio, kind == "csa", cfg.rms_norm_eps) if ratio else None
         self.indexer = Indexer(cfg, ratio) if kind == "csa" else None
@@ -119,18 +115,17 @@ class Attention(nn.Module):
         cfg = self.cfg
         eps = cfg.rms_norm_eps
         cos, sin = rope.main if self.kind == "swa" else rope.compress
-        q_res = rms_norm(F.linear(x, self.wq_a), self.q_norm, eps)  # [T, q_lora]
-        q = F.linear(q_res, self.wq_b).view(x.shape[0], cfg.num_heads, cfg.head_dim)
+        q_res = rms_norm(self.wq_a(x), self.q_norm, eps)  # [T, q_lora]
+        q = self.wq_b(q_res).view(x.shape[0], cfg.num_heads, cfg.head_dim)
         q = apply_rope(head_rms_norm(q, eps), cos, sin)  # [T, H, hd]
-        kv = apply_rope(rms_norm(F.linear(x, self.wkv), self.kv_norm, eps), cos, sin)  # [T, hd]
+        kv = apply_rope(rms_norm(self.wkv(x), self.kv_norm, eps), cos, sin)  # [T, hd]
         comp_rows = self.compressor.project(x, positions) if self.compressor is not None else None
         idx_rows = self.indexer.compressor.project(x, positions) if self.indexer is not None else None
         out = ctx.attend(self, layer, q, kv, x, q_res, (cos, sin), comp_rows, idx_rows, rope.compress_table)
         out = apply_rope(out.to(x.dtype), cos, sin, inverse=True)  # undo V's rotation
-        grouped = out.view(x.shape[0], cfg.o_groups, -1)  # [T, G, H·hd/G]
-        wo_a = self.wo_a.view(cfg.o_groups, cfg.o_lora_rank, -1)
-        low = torch.einsum("tgi,goi->tgo", grouped, wo_a).flatten(1)  # [T, G·o_lora]
-        return F.linear(low, self.wo_b)
+        grouped = out.view(x.shape[0], cfg.o_groups, cfg.num_heads * cfg.head_dim // cfg.o_groups)  # [T, G, H·hd/G]
+        low = self.wo_a(grouped).flatten(1)  # [T, G·o_lora]
+        return self.wo_b(low)
 
 
 # ---- the per-sequence attention context ------------------------------------------------------
@@ -173,7 +168,7 @@ class SequenceContext:
         idx_q = idx_w = None
         indexer = attn.indexer
         # Index queries matter only once some sequence has more entries than top-k.
-        if indexer is not None and max((s.start + s.length) // attn.ratio for s in self.seqs) > indexer.topk:
+        if indexer is not None and max(((s.start + s.length) // attn.ratio for s in self.seqs), default=0) > indexer.topk:
             idx_q, idx_w = indexer.queries(q_res, x, cos, sin)
         out = torch.empty(x.shape[0], attn.cfg.num_heads, attn.cfg.head_dim, dtype=torch.float32, device=x.device)
         for s in self.seqs:

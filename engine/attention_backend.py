@@ -46,8 +46,8 @@ class SequenceStep(SequenceContext):
             seqs.append(SeqSlice(r.seq, r.start, begin, n))
             begin += n
         super().__init__(seqs)
-        self.token_ids = torch.tensor(tokens, device=device)  # [T]
-        self.positions = torch.tensor(positions, device=device)  # [T]
+        self.token_ids = torch.tensor(tokens, dtype=torch.long, device=device)  # [T]
+        self.positions = torch.tensor(positions, dtype=torch.long, device=device)  # [T]
 
     def run(self, model, logit_rows: list[int] | None, inputs: torch.Tensor | None = None):
         """(streams [T, n, D], logits [len(logit_rows), V] fp32 or None). With `inputs` (the

@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from .config import ModelConfig
+from .weight_formats import released_fp8
 from .weight_names import export_names
 from .weights import build_model, keeps_fp32
 
@@ -108,12 +109,19 @@ def _init_tensor(name: str, shape: tuple[int, ...], cfg: ModelConfig, seed: int)
     return randn(1.0 / math.sqrt(fan_in))
 
 
+def _draw_name(internal: str) -> str:
+    """The name a parameter had before projections became modules (engine/linear.py):
+    `attn.wq_a.weight` was `attn.wq_a`, `ffn.experts.w13.weight` was `ffn.w13`. Draws are keyed
+    by it, so every preset's random checkpoint stays byte-identical across the rename."""
+    return internal.removesuffix(".weight").replace(".ffn.experts.", ".ffn.")
+
+
 def random_state(cfg: ModelConfig, seed: int = 0, with_mtp: bool = True) -> dict[str, torch.Tensor]:
-    """Internal parameter name → fp32 (or int32) tensor."""
+    """Internal parameter name (dense model, every expert) → fp32 (or int32) tensor."""
     model = build_model(cfg, with_mtp=with_mtp and cfg.num_nextn_predict_layers > 0)
     state = {}
     for name, p in list(model.named_parameters()) + list(model.named_buffers()):
-        state[name] = _init_tensor(name, tuple(p.shape), cfg, seed)
+        state[name] = _init_tensor(_draw_name(name), tuple(p.shape), cfg, seed)
     return state
 
 
@@ -167,12 +175,8 @@ def _fp8_block(cfg: ModelConfig) -> int:
     raise ValueError("fp8 quantization needs every projection dim to be a multiple of 16")
 
 
-_FP8_LEAVES = {"wq_a", "wq_b", "wkv", "wo_a", "wo_b", "shared_w1", "shared_w2", "shared_w3", "e_proj", "h_proj"}
-
-
 def _is_fp8(internal: str) -> bool:
-    parts = internal.split(".")
-    return parts[-1] in _FP8_LEAVES and "compressor" not in parts
+    return internal.endswith(".weight") and released_fp8(internal.removesuffix(".weight"))
 
 
 # ---- writing -----------------------------------------------------------------------------

@@ -381,6 +381,7 @@ def _validate(cfg: ModelConfig) -> None:
 MODES = ("throughput", "single-user")
 COMPUTE_DTYPES = ("auto", "bf16", "fp32")
 KV_DTYPES = ("auto", "bf16", "fp8", "fp4")
+WEIGHT_DTYPES = ("auto", "bf16")
 
 
 @dataclass(frozen=True)
@@ -391,6 +392,9 @@ class EngineConfig:
     mode: str = "throughput"
     dtype: str = "auto"  # compute dtype: auto = fp32 on CPU, bf16 on GPU
     kv_dtype: str = "auto"  # auto = the compute dtype (exact); bf16 | fp8 | fp4
+    # auto = weights as the checkpoint stores them (FP8/FP4 dequantized inside the GEMMs);
+    # bf16 = every weight decoded into the compute dtype at load.
+    weight_dtype: str = "auto"
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # None = min(model max, 32768)
@@ -412,6 +416,7 @@ class EngineConfig:
             (self.mode in MODES, "mode", f"must be one of {', '.join(MODES)}"),
             (self.dtype in COMPUTE_DTYPES, "dtype", f"must be one of {', '.join(COMPUTE_DTYPES)}"),
             (self.kv_dtype in KV_DTYPES, "kv_dtype", f"must be one of {', '.join(KV_DTYPES)}"),
+            (self.weight_dtype in WEIGHT_DTYPES, "weight_dtype", f"must be one of {', '.join(WEIGHT_DTYPES)}"),
             (all(s >= 1 for s in self.cuda_graph_sizes), "cuda_graph_sizes", "must be positive batch sizes"),
             (self.max_num_seqs is None or self.max_num_seqs >= 1, "max_num_seqs", "must be ≥ 1"),
             (self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
@@ -456,3 +461,82 @@ class EngineConfig:
             return msgspec.json.decode(data, type=cls)
         except msgspec.ValidationError as exc:
             raise ConfigError(f"engine config: {exc}") from None
+
+
+# ---- parallelism across worker processes ---------------------------------------------------
+
+ALL2ALL_BACKENDS = ("all_to_all", "padded_all_to_all", "allgather_reducescatter")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How worker processes split the model (vLLM's names). Data parallelism alone replicates
+    the model per rank; with expert parallelism the ranks form one torch.distributed group, each
+    holds its share of the routed experts (plus redundant replicas), and every MoE layer
+    dispatches tokens to the ranks that own their experts, every rank stepping in lockstep."""
+
+    data_parallel_size: int = 1
+    data_parallel_size_local: int | None = None  # ranks this node runs (None: all of them)
+    data_parallel_start_rank: int = 0  # the first rank this node runs
+    data_parallel_address: str = "127.0.0.1"  # the head node: rendezvous and request channel
+    data_parallel_rpc_port: int = 29550  # head's request channel for headless nodes; the store is port + 1
+    headless: bool = False  # run ranks, no HTTP server (a node other than the head)
+    enable_expert_parallel: bool = False
+    num_redundant_experts: int = 0
+    enable_eplb: bool = False
+    eplb_step_interval: int = 3000
+    all2all_backend: str = "all_to_all"
+    collective_timeout_s: float = 30.0  # a rank that stops answering fails the group after this long
+    rendezvous_timeout_s: float = 300.0  # every rank must have joined the group by then
+
+    def __post_init__(self) -> None:
+        local = self.local_size
+        checks = [
+            (self.data_parallel_size >= 1, "data_parallel_size", "must be ≥ 1"),
+            (1 <= local <= self.data_parallel_size, "data_parallel_size_local", "must be in [1, data-parallel-size]"),
+            (0 <= self.data_parallel_start_rank <= self.data_parallel_size - local, "data_parallel_start_rank",
+             "must leave room for this node's ranks"),
+            (self.num_redundant_experts >= 0, "num_redundant_experts", "must be ≥ 0"),
+            (self.num_redundant_experts == 0 or self.enable_expert_parallel, "num_redundant_experts",
+             "needs --enable-expert-parallel"),
+            (not self.enable_eplb or self.enable_expert_parallel, "enable_eplb", "needs --enable-expert-parallel"),
+            (self.eplb_step_interval >= 1, "eplb_step_interval", "must be ≥ 1"),
+            (self.all2all_backend in ALL2ALL_BACKENDS, "all2all_backend", f"must be one of {', '.join(ALL2ALL_BACKENDS)}"),
+            (0 < self.data_parallel_rpc_port < 65535, "data_parallel_rpc_port", "must be a TCP port below 65535"),
+            (not self.headless or self.data_parallel_start_rank > 0, "headless",
+             "a headless node runs ranks after the head's (set --data-parallel-start-rank)"),
+            (self.headless or self.data_parallel_start_rank == 0, "data_parallel_start_rank",
+             "must be 0 on the head (other nodes run with --headless)"),
+            (self.rendezvous_timeout_s > 0, "rendezvous_timeout_s", "must be positive"),
+            (self.collective_timeout_s > 0, "collective_timeout_s", "must be positive"),
+        ]
+        for ok, name, rule in checks:
+            if not ok:
+                raise ConfigError(f"--{name.replace('_', '-')} {rule}, got {getattr(self, name)!r}")
+
+    @property
+    def local_size(self) -> int:
+        return self.data_parallel_size_local or (self.data_parallel_size - self.data_parallel_start_rank)
+
+    @property
+    def local_ranks(self) -> range:
+        return range(self.data_parallel_start_rank, self.data_parallel_start_rank + self.local_size)
+
+    @property
+    def grouped(self) -> bool:
+        """Whether the ranks form a torch.distributed group (expert parallelism across > 1 rank)."""
+        return self.enable_expert_parallel and self.data_parallel_size > 1
+
+    @property
+    def multi_node(self) -> bool:
+        return self.local_size < self.data_parallel_size
+
+    def to_json(self) -> bytes:
+        return msgspec.json.encode(self)
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> "ParallelConfig":
+        try:
+            return msgspec.json.decode(data, type=cls)
+        except msgspec.ValidationError as exc:
+            raise ConfigError(f"parallel config: {exc}") from None

@@ -94,9 +94,23 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch:
             return StepOutputs([], [])
+        return self.run(batch, self.draft_wish(batch), t0=t0)
+
+    def draft_wish(self, batch: Batch) -> int:
+        """Drafts to propose after this batch (the speculation controller's choice, or k)."""
+        if self.spec_control is not None and batch:
+            return self.spec_control.choose(len(batch.scheduled))
+        return self.runner.k
+
+    def run(self, batch: Batch, num_drafts: int, allow_static: bool = True, lockstep: bool = False,
+            t0: float | None = None) -> StepOutputs:
+        """Execute a scheduled batch and fold its results into the requests. Under lockstep an
+        empty batch is a dummy step (zero tokens through every collective of a real one)."""
+        t0 = time.perf_counter() if t0 is None else t0
         control = self.spec_control
-        num_drafts = control.choose(len(batch.scheduled)) if control is not None else None
-        step = self.runner.execute(batch, num_drafts)
+        step = self.runner.execute(batch, num_drafts, allow_static=allow_static, lockstep=lockstep)
+        if not batch:
+            return StepOutputs([], [])
         deltas, finished = self.scheduler.update(batch, step)
         if self.runner.k:
             self._count_acceptance(batch, step)

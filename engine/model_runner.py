@@ -42,17 +42,30 @@ class ModelRunner:
         # Test hook replacing MTP drafts (e.g. to force wrong ones): f(request, accepted_now, drafts) -> drafts.
         self.draft_override = None
 
-    def _prepare(self, rows: list[StepSeq], kind: str = "model"):
-        """The first backend that takes the step (the per-sequence one always does)."""
+    def _prepare(self, rows: list[StepSeq], kind: str = "model", allow_static: bool = True):
+        """The first backend that takes the step (the per-sequence one always does, zero rows too)."""
         for backend in self.backends:
+            if backend is self.static and (not allow_static or not rows):
+                continue
             step = backend.prepare(rows, kind)
             if step is not None:
                 return step
         raise AssertionError("the sequence backend accepts every step")
 
+    def static_ok(self, batch: Batch) -> bool:
+        """Whether the static backend would take this batch's target forward (lockstep asks every
+        rank before any takes it)."""
+        q = batch.uniform_decode
+        return (self.static is not None and q is not None
+                and self.static.shape_for(len(batch.scheduled), q, max(s.end for s in batch.scheduled)) is not None)
+
     @torch.inference_mode()
-    def execute(self, batch: Batch, num_drafts: int | None = None) -> StepOutput:
-        """Run the step. `num_drafts` (≤ k; default k) is how many drafts to propose for the next step."""
+    def execute(self, batch: Batch, num_drafts: int | None = None, allow_static: bool = True,
+                lockstep: bool = False) -> StepOutput:
+        """Run the step. `num_drafts` (≤ k; default k) is how many drafts to propose for the next
+        step. Under `lockstep` (expert parallelism) every rank runs the same forwards, each with
+        however many rows it has, zero included: one target forward, then with speculation one
+        MTP catch-up forward and num_drafts − 1 draft forwards."""
         num_drafts = self.k if num_drafts is None else num_drafts
         rows = [StepSeq(s.request.seq, s.start, s.token_ids()) for s in batch.scheduled]
         pending, logit_rows, end = [], [], 0
@@ -62,10 +75,10 @@ class ModelRunner:
                 n = 1 + s.num_draft
                 pending.append(_Pending(s, slice(len(logit_rows), len(logit_rows) + n)))
                 logit_rows.extend(range(end - n, end))
-        streams, logits = self._prepare(rows).run(self.model, logit_rows)
+        streams, logits = self._prepare(rows, allow_static=allow_static).run(self.model, logit_rows)
         outputs = self._sample(pending, logits) if pending else {}
         if self.k:
-            self._run_mtp(batch, streams, outputs, num_drafts)
+            self._run_mtp(batch, streams, outputs, num_drafts, lockstep)
         return StepOutput(outputs)
 
     # ---- sampling and verification ----------------------------------------------------------
@@ -129,7 +142,7 @@ class ModelRunner:
 
     # ---- MTP drafting ------------------------------------------------------------------------
     def _run_mtp(self, batch: Batch, streams: torch.Tensor, outputs: dict[int, RequestStepOutput],
-                 num_drafts: int) -> None:
+                 num_drafts: int, lockstep: bool) -> None:
         """Feed the MTP layer every accepted row of this step, then draft `num_drafts` tokens per
         request that sampled. Row at position q pairs the target's streams at q with token q + 1."""
         rows, mtp_rows, drafting = [], [], []
@@ -152,38 +165,42 @@ class ModelRunner:
             if out is not None:
                 drafting.append((req, out, begin + n - 1, committed_end))
             begin += n
-        if not rows:
+        if not rows and not lockstep:
             return
         last_rows = [row for _, _, row, _ in drafting] if num_drafts else []
         h, logits = self._prepare(mtp_rows, "mtp").run(self.model, last_rows, inputs=streams[rows])
-        if num_drafts and drafting:  # else the MTP state was kept in step, with nothing to propose
-            self._draft(drafting, h, logits, num_drafts)
+        if num_drafts and (drafting or lockstep):  # else the MTP state was kept in step, nothing to propose
+            self._draft(drafting, h, logits, num_drafts, lockstep)
 
-    def _draft(self, drafting, h: torch.Tensor, logits: torch.Tensor, num_drafts: int) -> None:
+    def _draft(self, drafting, h: torch.Tensor, logits: torch.Tensor | None, num_drafts: int, lockstep: bool) -> None:
         live, keep = [], []
         for j, (req, out, row, committed_end) in enumerate(drafting):
             # Drafting writes the MTP window up to position committed_end + drafts − 2.
             if self.cache.allocate(req.seq, committed_end, committed_end + num_drafts):
                 live.append((req, out, row, committed_end))
                 keep.append(j)
-        if not live:
+        if not live and not lockstep:
             return
         cur = h[[row for _, _, row, _ in live]]  # [R, n, D] MTP streams at each last accepted row
-        logits = logits[keep]
+        logits = logits[keep] if logits is not None else None
         params = [req.params for req, *_ in live]
         drafts: list[list[int]] = [[] for _ in live]
         probs_per_step = []
         for step in range(num_drafts):
-            probs = to_probs(logits, params)
-            tok = sample(probs, [req.generator for req, *_ in live])
-            probs_per_step.append(probs)
-            tok_list = tok.tolist()
-            for j, t in enumerate(tok_list):
-                drafts[j].append(t)
+            tok_list = []
+            if live:
+                probs = to_probs(logits, params)
+                tok = sample(probs, [req.generator for req, *_ in live])
+                probs_per_step.append(probs)
+                tok_list = tok.tolist()
+                for j, t in enumerate(tok_list):
+                    drafts[j].append(t)
             if step + 1 == num_drafts:
                 break
             rows = [StepSeq(req.seq, ce + step, [t]) for (req, _, _, ce), t in zip(live, tok_list)]
             cur, logits = self._prepare(rows, "mtp").run(self.model, list(range(len(rows))), inputs=cur)
+        if not live:
+            return
         stacked = torch.stack(probs_per_step, dim=1)  # [R, k, V]
         for j, (req, out, _, _) in enumerate(live):
             proposed = drafts[j] if self.draft_override is None else self.draft_override(req, out.accepted, drafts[j])

@@ -1,8 +1,8 @@
 """DeepSeek-V4 MoE: sqrt-softplus router (learned top-k or tid2eid hash), clamped SwiGLU experts,
-one shared expert. Routed experts are stored stacked: w13 [E, 2I, H] (gate rows then up rows)
-and w2 [E, H, I]; a step runs two grouped GEMMs over the expert-sorted token slots. On CPU the
-stacks are laid out so that their [E, K, N] transposes are contiguous (what CPU grouped_mm is
-fast on); on GPU they stay row-major, whose transposes are the column-major operand cuBLAS wants."""
+one shared expert. The routed experts are a `RoutedExperts` stack (engine/linear.py: w13
+[E, 2I, H] gate rows then up rows, w2 [E, H, I], dense or FP8/FP4 as stored); a step runs two
+grouped GEMMs over the expert-sorted token slots. The router stays fp32 and dense; the shared
+expert's projections are `Linear`s (FP8 in the release)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import kernels
 
 from .config import ModelConfig
 from .layers import clamped_swiglu
+from .linear import Linear, RoutedExperts
 
 
 class MoE(nn.Module):
@@ -28,18 +29,20 @@ class MoE(nn.Module):
             self.gate_bias = None
         else:
             self.gate_bias = nn.Parameter(torch.zeros(e))  # fp32, used for selection only
-        self.w13 = nn.Parameter(torch.empty(e, 2 * i, h))
-        self.w2 = nn.Parameter(torch.empty(e, h, i))
+        self.experts = RoutedExperts(e, h, i, cfg.swiglu_limit)
+        # Under expert parallelism, the dispatch to the ranks owning each token's experts
+        # (engine/expert_parallel.py); None: every expert is here.
+        self.parallel = None
         if cfg.n_shared_experts:
-            self.shared_w1 = nn.Parameter(torch.empty(i, h))
-            self.shared_w3 = nn.Parameter(torch.empty(i, h))
-            self.shared_w2 = nn.Parameter(torch.empty(h, i))
+            self.shared_w1 = Linear(h, i)
+            self.shared_w3 = Linear(h, i)
+            self.shared_w2 = Linear(i, h)
 
-    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        """x: [T, H] → [T, H]."""
+    def route(self, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights fp32 [T, k], logical expert ids int32 [T, k]) for x [T, H]."""
         cfg = self.cfg
         logits = F.linear(x.float(), self.gate.float())  # [T, E] fp32
-        weights, expert_ids = kernels.route(
+        return kernels.route(
             logits,
             None if self.hash_routing else self.gate_bias.float(),
             cfg.num_experts_per_tok,
@@ -47,24 +50,37 @@ class MoE(nn.Module):
             token_ids=token_ids if self.hash_routing else None,
             tid2eid=self.tid2eid if self.hash_routing else None,
         )
-        out = self._experts(x, weights, expert_ids)
-        if cfg.n_shared_experts:
-            act = clamped_swiglu(F.linear(x, self.shared_w1), F.linear(x, self.shared_w3), cfg.swiglu_limit)
-            out = out + F.linear(act, self.shared_w2)
+
+    def shared(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared expert: x [T, H] → [T, H]."""
+        act = clamped_swiglu(self.shared_w1(x), self.shared_w3(x), self.cfg.swiglu_limit)  # [T, I]
+        return self.shared_w2(act)
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """x: [T, H] → [T, H]; T may be 0."""
+        weights, expert_ids = self.route(x, token_ids)
+        if self.parallel is not None:
+            out = self.parallel(x, weights, expert_ids)
+        else:
+            out = self._experts(x, weights, expert_ids)
+        if self.cfg.n_shared_experts:
+            out = out + self.shared(x)
         return out
 
     def _experts(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         """Grouped GEMMs over expert-sorted (token, choice) slots: no host sync, no Python loop
-        over experts. x: [T, H]; weights, expert_ids: [T, k]."""
+        over experts. x: [T, H]; weights, expert_ids: [T, k]. Needs every expert on this rank
+        (expert e in slot e); a rank holding a share runs its experts through ExpertParallelMoE
+        with `self.experts.local_experts`."""
+        if not self.experts.holds_all:
+            raise RuntimeError(f"this MoE holds {self.experts.num_local_experts} of {self.cfg.n_routed_experts} "
+                               "experts: route it through ExpertParallelMoE")
         t, k = expert_ids.shape
-        inter = self.cfg.moe_intermediate_size
         _, offsets, order, inverse = kernels.permute(expert_ids, self.cfg.n_routed_experts)
         order = order.long()
         ends = offsets[1:].to(torch.int32)  # [E] cumulative slot counts
         slots = x[order // k]  # [T·k, H] in expert order
-        h = F.grouped_mm(slots, self.w13.transpose(1, 2), offs=ends)  # [T·k, 2I]
-        act = clamped_swiglu(h[:, :inter], h[:, inter:], self.cfg.swiglu_limit)
-        y = F.grouped_mm(act, self.w2.transpose(1, 2), offs=ends)  # [T·k, H]
+        y = self.experts(slots, ends)  # [T·k, H]
         y = y * weights.reshape(-1)[order].unsqueeze(1).to(y.dtype)
-        # Back to (token, choice) order and sum the k choices in a fixed order.
-        return y[inverse.long()].view(t, k, -1).sum(dim=1).to(x.dtype)
+        # Back to (token, choice) order and sum the k choices in a fixed order (explicit H: T may be 0).
+        return y[inverse.long()].view(t, k, x.shape[-1]).sum(dim=1).to(x.dtype)

@@ -18,6 +18,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .layers import rms_norm
+from .linear import Linear
 from .model import Block, DeepseekV4, HyperHead
 
 
@@ -29,8 +30,8 @@ class MTPLayer(nn.Module):
         d = cfg.hidden_size
         self.enorm = nn.Parameter(torch.empty(d))
         self.hnorm = nn.Parameter(torch.empty(d))
-        self.e_proj = nn.Parameter(torch.empty(d, d))
-        self.h_proj = nn.Parameter(torch.empty(d, d))
+        self.e_proj = Linear(d, d)  # FP8 in the release
+        self.h_proj = Linear(d, d)
         self.block = Block(cfg, "swa", 0, hash_routing=False)
         self.hc_head = HyperHead(cfg)
         self.norm = nn.Parameter(torch.empty(d))
@@ -42,8 +43,8 @@ class MTPLayer(nn.Module):
         eps = self.cfg.rms_norm_eps
         emb = model.embed[next_token_ids]
         emb = torch.where((positions == 0)[:, None], torch.zeros_like(emb), emb)
-        h = F.linear(rms_norm(streams, self.hnorm, eps), self.h_proj)  # [T, n, D]
-        h = h + F.linear(rms_norm(emb, self.enorm, eps), self.e_proj).unsqueeze(1)
+        h = self.h_proj(rms_norm(streams, self.hnorm, eps))  # [T, n, D]
+        h = h + self.e_proj(rms_norm(emb, self.enorm, eps)).unsqueeze(1)
         return self.block(h, next_token_ids, positions, model.step_rope(positions), ctx, self.layer_id)
 
     def logits(self, model: DeepseekV4, streams: torch.Tensor) -> torch.Tensor:

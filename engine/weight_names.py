@@ -28,36 +28,36 @@ _LAYER_TABLE: tuple[tuple[str, str, str], ...] = (
     ("hc_ffn_fn", "ffn_hc.fn", "hc_ffn.fn"),
     ("hc_ffn_base", "ffn_hc.base", "hc_ffn.base"),
     ("hc_ffn_scale", "ffn_hc.scale", "hc_ffn.scale"),
-    ("attn.wq_a.weight", "self_attn.q_a_proj.weight", "attn.wq_a"),
+    ("attn.wq_a.weight", "self_attn.q_a_proj.weight", "attn.wq_a.weight"),
     ("attn.q_norm.weight", "self_attn.q_a_norm.weight", "attn.q_norm"),
-    ("attn.wq_b.weight", "self_attn.q_b_proj.weight", "attn.wq_b"),
-    ("attn.wkv.weight", "self_attn.kv_proj.weight", "attn.wkv"),
+    ("attn.wq_b.weight", "self_attn.q_b_proj.weight", "attn.wq_b.weight"),
+    ("attn.wkv.weight", "self_attn.kv_proj.weight", "attn.wkv.weight"),
     ("attn.kv_norm.weight", "self_attn.kv_norm.weight", "attn.kv_norm"),
-    ("attn.wo_a.weight", "self_attn.o_a_proj.weight", "attn.wo_a"),
-    ("attn.wo_b.weight", "self_attn.o_b_proj.weight", "attn.wo_b"),
+    ("attn.wo_a.weight", "self_attn.o_a_proj.weight", "attn.wo_a.weight"),
+    ("attn.wo_b.weight", "self_attn.o_b_proj.weight", "attn.wo_b.weight"),
     ("attn.attn_sink", "self_attn.sinks", "attn.attn_sink"),
-    ("attn.compressor.wkv.weight", "self_attn.compressor.kv_proj.weight", "attn.compressor.wkv"),
-    ("attn.compressor.wgate.weight", "self_attn.compressor.gate_proj.weight", "attn.compressor.wgate"),
+    ("attn.compressor.wkv.weight", "self_attn.compressor.kv_proj.weight", "attn.compressor.wkv.weight"),
+    ("attn.compressor.wgate.weight", "self_attn.compressor.gate_proj.weight", "attn.compressor.wgate.weight"),
     ("attn.compressor.ape", "self_attn.compressor.position_bias", "attn.compressor.ape"),
     ("attn.compressor.norm.weight", "self_attn.compressor.kv_norm.weight", "attn.compressor.norm"),
-    ("attn.indexer.wq_b.weight", "self_attn.compressor.indexer.q_b_proj.weight", "attn.indexer.wq_b"),
+    ("attn.indexer.wq_b.weight", "self_attn.compressor.indexer.q_b_proj.weight", "attn.indexer.wq_b.weight"),
     ("attn.indexer.weights_proj.weight", "self_attn.compressor.indexer.scorer.weights_proj.weight",
-     "attn.indexer.weights_proj"),
+     "attn.indexer.weights_proj.weight"),
     ("attn.indexer.compressor.wkv.weight", "self_attn.compressor.indexer.kv_proj.weight",
-     "attn.indexer.compressor.wkv"),
+     "attn.indexer.compressor.wkv.weight"),
     ("attn.indexer.compressor.wgate.weight", "self_attn.compressor.indexer.gate_proj.weight",
-     "attn.indexer.compressor.wgate"),
+     "attn.indexer.compressor.wgate.weight"),
     ("attn.indexer.compressor.ape", "self_attn.compressor.indexer.position_bias", "attn.indexer.compressor.ape"),
     ("attn.indexer.compressor.norm.weight", "self_attn.compressor.indexer.kv_norm.weight",
      "attn.indexer.compressor.norm"),
     ("ffn.gate.weight", "mlp.gate.weight", "ffn.gate"),
     ("ffn.gate.bias", "mlp.gate.e_score_correction_bias", "ffn.gate_bias"),
     ("ffn.gate.tid2eid", "mlp.gate.tid2eid", "ffn.tid2eid"),
-    ("ffn.shared_experts.w1.weight", "mlp.shared_experts.gate_proj.weight", "ffn.shared_w1"),
-    ("ffn.shared_experts.w3.weight", "mlp.shared_experts.up_proj.weight", "ffn.shared_w3"),
-    ("ffn.shared_experts.w2.weight", "mlp.shared_experts.down_proj.weight", "ffn.shared_w2"),
-    ("", "mlp.experts.gate_up_proj", "ffn.w13"),
-    ("", "mlp.experts.down_proj", "ffn.w2"),
+    ("ffn.shared_experts.w1.weight", "mlp.shared_experts.gate_proj.weight", "ffn.shared_w1.weight"),
+    ("ffn.shared_experts.w3.weight", "mlp.shared_experts.up_proj.weight", "ffn.shared_w3.weight"),
+    ("ffn.shared_experts.w2.weight", "mlp.shared_experts.down_proj.weight", "ffn.shared_w2.weight"),
+    ("", "mlp.experts.gate_up_proj", "ffn.experts.w13.weight"),
+    ("", "mlp.experts.down_proj", "ffn.experts.w2.weight"),
 )
 _TOP_TABLE: tuple[tuple[str, str, str], ...] = (
     ("embed.weight", "model.embed_tokens.weight", "embed"),
@@ -71,15 +71,16 @@ _TOP_TABLE: tuple[tuple[str, str, str], ...] = (
 _MTP_TABLE: tuple[tuple[str, str], ...] = (
     ("enorm.weight", "enorm"),
     ("hnorm.weight", "hnorm"),
-    ("e_proj.weight", "e_proj"),
-    ("h_proj.weight", "h_proj"),
+    ("e_proj.weight", "e_proj.weight"),
+    ("h_proj.weight", "h_proj.weight"),
     ("norm.weight", "norm"),
     ("hc_head_fn", "hc_head.fn"),
     ("hc_head_base", "hc_head.base"),
     ("hc_head_scale", "hc_head.scale"),
 )
 # Upstream expert parts: which rows of the stacked internal tensor each per-expert tensor fills.
-EXPERT_PARTS = {"w1": ("ffn.w13", "gate"), "w3": ("ffn.w13", "up"), "w2": ("ffn.w2", "all")}
+EXPERT_PARTS = {"w1": ("ffn.experts.w13.weight", "gate"), "w3": ("ffn.experts.w13.weight", "up"),
+                "w2": ("ffn.experts.w2.weight", "all")}
 
 _UP_LAYER = {up: internal for up, _, internal in _LAYER_TABLE if up}
 _HF_LAYER = {hf: internal for _, hf, internal in _LAYER_TABLE}
@@ -169,14 +170,34 @@ def scale_name_of(weight_name: str) -> list[str]:
 
 
 def export_names(internal: str, layout: str, num_experts: int) -> list[tuple[str, int | None, str | None]]:
-    """Checkpoint names (with expert index / part) an internal parameter is written as."""
+    """Checkpoint names (with expert index / part) an internal parameter is written as. A
+    quantized weight's `.scale` goes under its weight's scale name (`.scale` upstream,
+    `.weight_scale_inv` / `_scale_inv` in the transformers layout)."""
+    try:
+        return _export_names(internal, layout, num_experts)
+    except KeyError:
+        if not internal.endswith(".scale"):
+            raise
+    weight = internal[: -len(".scale")] + ".weight"
+    return [(_scale_export_name(name), e, part) for name, e, part in _export_names(weight, layout, num_experts)]
+
+
+def _scale_export_name(weight_name: str) -> str:
+    transformers = weight_name.startswith(("model.", "lm_head."))
+    if weight_name.endswith(".weight"):
+        return scale_name_of(weight_name)[1 if transformers else 0]
+    return scale_name_of(weight_name)[0]
+
+
+def _export_names(internal: str, layout: str, num_experts: int) -> list[tuple[str, int | None, str | None]]:
     parts = internal.split(".")
     if parts[0] == "mtp":
         prefix, rest = f"mtp.{parts[1]}", ".".join(parts[2:])
         inverse_mtp = {v: k for k, v in _MTP_TABLE}
         if rest in inverse_mtp:
             return [(f"{prefix}.{inverse_mtp[rest]}", None, None)]
-        assert rest.startswith("block."), internal
+        if not rest.startswith("block."):
+            raise KeyError(internal)
         return _export_layer(prefix, rest[len("block."):], "upstream", num_experts)
     if parts[0] == "layers":
         return _export_layer(f"layers.{parts[1]}", ".".join(parts[2:]), layout, num_experts)
@@ -190,8 +211,11 @@ def _export_layer(prefix: str, suffix: str, layout: str, num_experts: int) -> li
     if layout == "transformers":
         hf = {internal: hf for _, hf, internal in _LAYER_TABLE}[suffix]
         return [(f"model.{prefix}.{hf}", None, None)]
-    if suffix in ("ffn.w13", "ffn.w2"):
-        pieces = [("w1", "gate"), ("w3", "up")] if suffix == "ffn.w13" else [("w2", "all")]
-        return [(f"{prefix}.ffn.experts.{e}.{w}.weight", e, part) for e in range(num_experts) for w, part in pieces]
+    pieces = {internal: [] for internal, _ in EXPERT_PARTS.values()}
+    for w, (internal, part) in EXPERT_PARTS.items():
+        pieces[internal].append((w, part))
+    if suffix in pieces:
+        return [(f"{prefix}.ffn.experts.{e}.{w}.weight", e, part)
+                for e in range(num_experts) for w, part in pieces[suffix]]
     up = {internal: up for up, _, internal in _LAYER_TABLE if up}[suffix]
     return [(f"{prefix}.{up}", None, None)]

@@ -1,11 +1,21 @@
 """Load a Hugging Face-format DeepSeek-V4 directory into `DeepseekV4`.
 
 Reads `config.json`, sharded safetensors (with `model.safetensors.index.json`) or one file,
-in the upstream or the transformers tensor layout, and decodes quantized weights into the
-compute dtype:
+in the upstream, transformers or saved-by-transformers tensor layout. Quantized weights are
   * FP8 e4m3 with one ue8m0 (or fp32) scale per block (`.scale` / `.weight_scale_inv`);
   * FP4 e2m1 packed two per int8 byte (low nibble = even column) with one ue8m0 scale per 32
     columns (routed experts, `expert_dtype: fp4`).
+`weight_dtype="auto"` keeps them as stored, in the containers of engine/linear.py (the GEMM
+kernels dequantize tile by tile); `"bf16"` decodes every weight into the compute dtype at
+load (the upcast). Unquantized tensors load in the compute dtype either way (fp32 for the
+leaves the model defines in fp32).
+
+Loading is streamed: the model is planned and built on the meta device, allocated once on the
+target device, and each tensor is read from its shard (safetensors reads lazily, one tensor
+at a time), converted and copied into place. Host memory thus holds the model's share (when
+the device is the CPU) plus one tensor. With `experts`, each MoE layer holds only the given
+logical experts and the other experts' tensors are never read.
+
 Every parameter must be filled exactly once with the right shape; anything else is a
 `WeightLoadError` that names the tensor.
 """
@@ -18,10 +28,12 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from tqdm import tqdm
+from torch import nn
 
-from .config import ModelConfig
+from .config import WEIGHT_DTYPES, ModelConfig
+from .linear import DENSE, SCALE_DTYPES, GroupedLinear, GroupedWeight, QuantWeight, RoutedExperts, WeightFormat
 from .model import DeepseekV4
+from .moe import MoE
 from .mtp import MTPLayer
 from .weight_names import Target, detect_layout, scale_name_of, target_of
 
@@ -32,6 +44,12 @@ FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.
 # Parameter leaves the model defines in fp32, kept so whatever the compute dtype.
 _FP32_LEAVES = frozenset({"norm", "q_norm", "kv_norm", "attn_norm", "ffn_norm", "enorm", "hnorm", "fn", "base",
                           "scale", "attn_sink", "ape", "gate_bias"})
+# safetensors header dtype names → torch dtypes (what `_Checkpoint.info` reports).
+_ST_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu,
+              "I8": torch.int8, "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
+              "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
+              "BOOL": torch.bool}
+_PART_ROWS = ("gate", "up")  # expert parts that fill one half of w13's rows
 
 
 class WeightLoadError(RuntimeError):
@@ -60,8 +78,11 @@ def shard_files(model_dir: Path) -> list[Path]:
     return files
 
 
+# ---- decoding (the upcast) ---------------------------------------------------------------
+
+
 def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """e4m3 [R, C] with a block scale grid [ceil(R/bR), ceil(C/bC)] → fp32 [R, C]."""
+    """e4m3 [..., R, C] with a block scale grid [..., ceil(R/bR), ceil(C/bC)] → fp32 [..., R, C]."""
     rows, cols = weight.shape[-2:]
     srows, scols = scale.shape[-2:]
     block_r, block_c = -(-rows // srows), -(-cols // scols)
@@ -71,7 +92,7 @@ def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
-    """int8 [R, C/2] of e2m1 pairs (low nibble = even column) → fp32 [R, C]."""
+    """int8 [..., R, C/2] of e2m1 pairs (low nibble = even column) → fp32 [..., R, C]."""
     lut = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32)
     u8 = packed.view(torch.uint8).long()
     return torch.stack((lut[u8 & 0xF], lut[u8 >> 4]), dim=-1).flatten(-2)
@@ -89,8 +110,26 @@ def _scale_fp32(scale: torch.Tensor) -> torch.Tensor:
     return scale.float()
 
 
+def _dequantized(name: str, value: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """A stored tensor (and its scale) as plain values: FP8/FP4 decoded to fp32."""
+    if scale is None:
+        if value.dtype in (torch.float8_e4m3fn, torch.int8) and not name.endswith("tid2eid"):
+            raise WeightLoadError(f"tensor {name} is quantized ({value.dtype}) but has no scale tensor")
+        return value
+    if value.dtype == torch.int8:
+        if value.shape[-1] * 2 % scale.shape[-1]:
+            raise WeightLoadError(f"tensor {name}: FP4 scale shape {tuple(scale.shape)} does not tile {tuple(value.shape)}")
+        return dequantize_fp4(value, scale)
+    if value.dtype == torch.float8_e4m3fn:
+        return dequantize_fp8(value, scale)
+    raise WeightLoadError(f"tensor {name} has a scale but dtype {value.dtype} is not FP8/FP4")
+
+
+# ---- the shards --------------------------------------------------------------------------
+
+
 class _Checkpoint:
-    """Lazy access to every tensor of the shards by name."""
+    """Lazy access to every tensor of the shards by name: `info` reads only the header."""
 
     def __init__(self, files: list[Path]):
         self.location: dict[str, Path] = {}
@@ -106,81 +145,29 @@ class _Checkpoint:
                     raise WeightLoadError(f"tensor {name} appears in both {self.location[name].name} and {f.name}")
                 self.location[name] = f
 
+    def _handle(self, name: str):
+        return self.handles[self.location[name]]
+
     def get(self, name: str) -> torch.Tensor:
         try:
-            return self.handles[self.location[name]].get_tensor(name)
+            return self._handle(name).get_tensor(name)
         except SafetensorError as exc:
             raise WeightLoadError(f"{self.location[name].name}: tensor {name} is unreadable ({exc})") from None
 
+    def get_row(self, name: str, index: int) -> torch.Tensor:
+        """tensor[index] of a stacked tensor, reading only that slice."""
+        try:
+            return self._handle(name).get_slice(name)[index : index + 1][0]
+        except SafetensorError as exc:
+            raise WeightLoadError(f"{self.location[name].name}: tensor {name} is unreadable ({exc})") from None
 
-def _decode(ckpt: _Checkpoint, name: str, consumed: set[str]) -> torch.Tensor:
-    tensor = ckpt.get(name)
-    consumed.add(name)
-    scale_name = next((s for s in scale_name_of(name) if s in ckpt.location), None)
-    if scale_name is None:
-        if tensor.dtype in (torch.float8_e4m3fn, torch.int8) and not name.endswith("tid2eid"):
-            raise WeightLoadError(f"tensor {name} is quantized ({tensor.dtype}) but has no scale tensor")
-        return tensor
-    consumed.add(scale_name)
-    scale = ckpt.get(scale_name)
-    if tensor.dtype == torch.int8:
-        if tensor.shape[-1] * 2 % scale.shape[-1]:
-            raise WeightLoadError(f"tensor {name}: FP4 scale shape {tuple(scale.shape)} does not tile {tuple(tensor.shape)}")
-        return dequantize_fp4(tensor, scale)
-    if tensor.dtype == torch.float8_e4m3fn:
-        return dequantize_fp8(tensor, scale)
-    raise WeightLoadError(f"tensor {name} has a scale but dtype {tensor.dtype} is not FP8/FP4")
+    def info(self, name: str) -> tuple[torch.dtype | None, tuple[int, ...]]:
+        """(dtype, shape) from the header, without reading the data."""
+        piece = self._handle(name).get_slice(name)
+        return _ST_DTYPES.get(piece.get_dtype()), tuple(piece.get_shape())
 
-
-def build_model(cfg: ModelConfig, with_mtp: bool) -> DeepseekV4:
-    with torch.device("meta"):
-        model = DeepseekV4(cfg)
-        if with_mtp:
-            model.mtp.extend(MTPLayer(cfg, i) for i in range(cfg.num_nextn_predict_layers))
-    return model
-
-
-def load_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
-               progress: bool = True, load_mtp: bool = True) -> DeepseekV4:
-    """Build the model described by `model_dir/config.json` and fill it from its safetensors."""
-    model_dir = Path(model_dir)
-    cfg = ModelConfig.from_model_dir(model_dir)
-    ckpt = _Checkpoint(shard_files(model_dir))
-    layout = detect_layout(list(ckpt.location))
-    has_mtp = any(n.startswith("mtp.") for n in ckpt.location)
-    model = build_model(cfg, with_mtp=load_mtp and has_mtp and cfg.num_nextn_predict_layers > 0)
-    expected = {name: p for name, p in list(model.named_parameters()) + list(model.named_buffers())}
-    filled: dict[str, torch.Tensor] = {}
-    expert_rows: dict[str, set[tuple[int, str]]] = {}
-    consumed: set[str] = set()
-    weight_names = [n for n in ckpt.location if not _is_scale(n, ckpt.location)]
-    # No tqdm at all without a progress bar: even disabled, it creates a multiprocessing lock
-    # (a named semaphore) that a worker killed at shutdown would leave behind.
-    names = tqdm(weight_names, desc="loading weights", unit="tensor", leave=False) if progress else weight_names
-    for name in names:
-        target = target_of(name, layout)
-        if target is None or (target.internal.startswith("mtp.") and target.internal not in expected):
-            if name.startswith("mtp.") and not load_mtp:
-                consumed.add(name)
-                continue
-            raise WeightLoadError(f"unexpected tensor {name} in {ckpt.location[name].name}")
-        if target.internal not in expected:
-            raise WeightLoadError(f"unexpected tensor {name} (no parameter {target.internal} in this config)")
-        value = _decode(ckpt, name, consumed)
-        _place(filled, expert_rows, expected[target.internal], target, value, name, cfg, dtype)
-    _check_complete(expected, filled, expert_rows, cfg)
-    leftover = set(ckpt.location) - consumed
-    if leftover:
-        raise WeightLoadError(f"unexpected tensor {sorted(leftover)[0]} (unused scale or extra tensor)")
-    model = model.to_empty(device=device)
-    with torch.no_grad():
-        for name, value in filled.items():
-            _assign(model, name, value, device)
-    model.rope_main.inv_freq = model.rope_main.inv_freq.to(device)
-    model.rope_compress.inv_freq = model.rope_compress.inv_freq.to(device)
-    model.train(False).requires_grad_(False)  # inference only
-    logger.info("loaded %s (%s layout, %d tensors) as %s", model_dir, layout, len(weight_names), dtype)
-    return model
+    def scale_of(self, name: str) -> str | None:
+        return next((s for s in scale_name_of(name) if s in self.location), None)
 
 
 def _is_scale(name: str, names: dict[str, Path]) -> bool:
@@ -190,58 +177,326 @@ def _is_scale(name: str, names: dict[str, Path]) -> bool:
     return name.endswith("_scale_inv") and name[: -len("_scale_inv")] in names
 
 
-def _target_dtype(internal: str, param: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
-    if not param.dtype.is_floating_point:
-        return param.dtype
-    return torch.float32 if keeps_fp32(internal) else dtype
+# ---- building ----------------------------------------------------------------------------
 
 
-def _place(filled, expert_rows, param, target: Target, value: torch.Tensor, name: str, cfg: ModelConfig,
-           dtype: torch.dtype) -> None:
-    want = _target_dtype(target.internal, param, dtype)
-    if target.expert is None:
-        if target.internal in filled:
-            raise WeightLoadError(f"tensor {name}: parameter {target.internal} filled twice")
-        if tuple(value.shape) != tuple(param.shape):
-            raise WeightLoadError(f"tensor {name} has shape {tuple(value.shape)}, expected {tuple(param.shape)}")
-        filled[target.internal] = value.to(want)
+def build_model(cfg: ModelConfig, with_mtp: bool, dtype: torch.dtype | None = None,
+                formats: dict[str, WeightFormat] | None = None,
+                experts: dict[int, list[int]] | None = None) -> DeepseekV4:
+    """The model on the meta device (no storage).
+
+    dtype: the dtype of floating parameters (fp32-defined leaves stay fp32); None keeps fp32.
+    formats: module path of a `QuantWeight` → its stored format (others dense).
+    experts: MoE layer id → the logical experts its local slots hold (MTP layer i is layer
+    num_layers + i); a layer that is not a key holds every expert."""
+    with torch.device("meta"):
+        model = DeepseekV4(cfg)
+        if with_mtp:
+            model.mtp.extend(MTPLayer(cfg, i) for i in range(cfg.num_nextn_predict_layers))
+    if dtype is not None:
+        _cast(model, dtype)
+    configure(model, formats or {}, experts)
+    return model
+
+
+def _cast(model: nn.Module, dtype: torch.dtype) -> None:
+    for path, module in model.named_modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            want = torch.float32 if keeps_fp32(f"{path}.{name}" if path else name) else dtype
+            if p.is_floating_point() and p.dtype != want:
+                setattr(module, name, nn.Parameter(p.to(want), requires_grad=False))
+
+
+def moe_layers(model: DeepseekV4) -> list[tuple[int, MoE]]:
+    """(layer id, MoE) of every MoE layer: the model's, then MTP's (layer num_layers + i)."""
+    return [(i, block.ffn) for i, block in enumerate(model.layers)] + [(m.layer_id, m.block.ffn) for m in model.mtp]
+
+
+def configure(model: DeepseekV4, formats: dict[str, WeightFormat], experts: dict[int, list[int]] | None) -> None:
+    """Apply a format plan and an expert share to a model on the meta device."""
+    for path, fmt in formats.items():
+        module = model.get_submodule(path)
+        if not isinstance(module, QuantWeight):
+            raise ValueError(f"{path} is not a weight container")
+        module.set_format(fmt)
+    if experts is None:
         return
-    inter = cfg.moe_intermediate_size
-    rows = {"gate": slice(0, inter), "up": slice(inter, 2 * inter), "all": slice(None)}[target.part]
-    expect = tuple(param.shape[1:]) if target.part == "all" else (inter, param.shape[2])
-    if tuple(value.shape) != expect:
-        raise WeightLoadError(f"tensor {name} has shape {tuple(value.shape)}, expected {expect}")
-    if target.expert >= param.shape[0]:
-        raise WeightLoadError(f"tensor {name}: expert {target.expert} ≥ n_routed_experts {param.shape[0]}")
-    key = (target.expert, target.part)
-    seen = expert_rows.setdefault(target.internal, set())
-    if key in seen:
-        raise WeightLoadError(f"tensor {name}: expert weight given twice")
-    seen.add(key)
-    stacked = filled.setdefault(target.internal, torch.empty(param.shape, dtype=want))
-    stacked[target.expert, rows] = value.to(want)
+    limit = model.cfg.num_layers + model.cfg.num_nextn_predict_layers
+    bad = [layer for layer in experts if not 0 <= layer < limit]
+    if bad:
+        raise ValueError(f"experts given for layers {bad}; MoE layers are 0..{limit - 1} (MTP after the model's)")
+    for layer, moe in moe_layers(model):
+        if layer in experts:
+            moe.experts.select(experts[layer])
 
 
-def _check_complete(expected, filled, expert_rows, cfg: ModelConfig) -> None:
-    for internal, param in expected.items():
-        if internal not in filled:
-            raise WeightLoadError(f"missing tensor for parameter {internal} (shape {tuple(param.shape)})")
-        if internal in expert_rows:
-            parts = ("gate", "up") if internal.endswith("w13") else ("all",)
-            for e in range(cfg.n_routed_experts):
-                for p in parts:
-                    if (e, p) not in expert_rows[internal]:
-                        raise WeightLoadError(f"missing tensor for expert {e} of {internal} ({p} rows)")
+def _materialize(model: nn.Module, device: str | torch.device) -> None:
+    """Allocate every parameter and buffer (uninitialised) on `device`, in its storage layout."""
+    model.to_empty(device=device)
+    for module in model.modules():
+        if isinstance(module, GroupedWeight):
+            module.relayout()
 
 
-def _assign(model: torch.nn.Module, internal: str, value: torch.Tensor, device: str) -> None:
-    module_name, _, attr = internal.rpartition(".")
-    value = value.to(device)
-    if attr in ("w13", "w2") and value.device.type == "cpu":
-        value = value.transpose(1, 2).contiguous().transpose(1, 2)  # see engine/moe.py
-    module = model.get_submodule(module_name) if module_name else model
-    current = getattr(module, attr)
-    if isinstance(current, torch.nn.Parameter):
-        setattr(module, attr, torch.nn.Parameter(value, requires_grad=False))
+# ---- planning ----------------------------------------------------------------------------
+
+
+def _targets(ckpt: _Checkpoint, layout: str, expected: set[str], load_mtp: bool) -> dict[str, Target | None]:
+    """Checkpoint weight name (scales excluded) → its Target; None for MTP tensors skipped."""
+    out: dict[str, Target | None] = {}
+    for name in ckpt.location:
+        if _is_scale(name, ckpt.location):
+            continue
+        target = target_of(name, layout)
+        if target is None or (target.internal.startswith("mtp.") and target.internal not in expected):
+            if name.startswith("mtp.") and not load_mtp:
+                out[name] = None
+                continue
+            raise WeightLoadError(f"unexpected tensor {name} in {ckpt.location[name].name}")
+        if target.internal not in expected:
+            raise WeightLoadError(f"unexpected tensor {name} (no parameter {target.internal} in this config)")
+        out[name] = target
+    return out
+
+
+def _container(model: nn.Module, internal: str) -> QuantWeight | None:
+    path, _, leaf = internal.rpartition(".")
+    module = model.get_submodule(path) if path and leaf == "weight" else None
+    return module if isinstance(module, QuantWeight) else None
+
+
+def stored_formats(model: nn.Module, ckpt: _Checkpoint, targets: dict[str, Target | None]) -> dict[str, WeightFormat]:
+    """Module path → format of every weight container the checkpoint stores quantized (what
+    weight_dtype='auto' keeps), from the tensors' headers."""
+    seen: dict[str, tuple[WeightFormat, str]] = {}
+    for name, target in targets.items():
+        module = _container(model, target.internal) if target is not None else None
+        if module is None:
+            continue
+        fmt = _stored_format(ckpt, name, module, target)
+        path = target.internal.rpartition(".")[0]
+        first = seen.setdefault(path, (fmt, name))
+        if first[0] != fmt:
+            raise WeightLoadError(f"tensor {name} is stored as {fmt.describe()} but {first[1]} of the same weight "
+                                  f"as {first[0].describe()}")
+    return {path: fmt for path, (fmt, _) in seen.items() if fmt.quantized}
+
+
+def _stored_format(ckpt: _Checkpoint, name: str, module: QuantWeight, target: Target) -> WeightFormat:
+    """The format `name` is stored in, or DENSE where the container cannot keep it (it is then
+    decoded at load)."""
+    scale_name = ckpt.scale_of(name)
+    if scale_name is None:
+        return DENSE
+    dtype, _ = ckpt.info(name)
+    scale_dtype, scale_shape = ckpt.info(scale_name)
+    if len(scale_shape) < 2:
+        return DENSE
+    rows = module.out_features // 2 if target.part in _PART_ROWS else module.out_features
+    k = module.in_features
+    scale_dtype = scale_dtype if scale_dtype in SCALE_DTYPES else torch.float32
+    if dtype == torch.float8_e4m3fn:
+        block = (-(-rows // scale_shape[-2]), -(-k // scale_shape[-1]))
+        if target.part in _PART_ROWS and rows % block[0]:
+            return DENSE  # the gate and up halves' scale rows would not tile the stacked scale
+        fmt = WeightFormat.fp8(block, scale_dtype)
+    elif dtype == torch.int8:
+        group = -(-k // scale_shape[-1])
+        if group % 2:
+            return DENSE
+        fmt = WeightFormat.fp4(group, scale_dtype)
     else:
-        module.register_buffer(attr, value)
+        return DENSE
+    if isinstance(module, GroupedLinear) and not module.supports(fmt):
+        return DENSE
+    return fmt
+
+
+def checkpoint_formats(model_dir: str | Path, model: DeepseekV4) -> dict[str, WeightFormat]:
+    """The plan load_model(weight_dtype='auto') makes for `model` (a dense meta build of the
+    checkpoint's config, with or without MTP), from the shards' headers only."""
+    ckpt = _Checkpoint(shard_files(Path(model_dir)))
+    names = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
+    targets = _targets(ckpt, detect_layout(list(ckpt.location)), names, load_mtp=len(model.mtp) > 0)
+    return stored_formats(model, ckpt, targets)
+
+
+# ---- filling -----------------------------------------------------------------------------
+
+
+class _Filler:
+    """Copies checkpoint tensors into an allocated model and keeps the books: what was filled,
+    which expert rows, which checkpoint tensors were consumed (read or deliberately skipped)."""
+
+    def __init__(self, model: DeepseekV4, ckpt: _Checkpoint):
+        self.model, self.ckpt, self.cfg = model, ckpt, model.cfg
+        self.params = dict(list(model.named_parameters()) + list(model.named_buffers()))
+        self.filled: set[str] = set()
+        self.expert_parts: dict[tuple[int, int], set[str]] = {}  # (id of the stack, slot) → parts
+        self.consumed: set[str] = set()
+        self.bytes_read = 0
+
+    def _consume(self, name: str) -> str | None:
+        self.consumed.add(name)
+        scale_name = self.ckpt.scale_of(name)
+        if scale_name is not None:
+            self.consumed.add(scale_name)
+        return scale_name
+
+    def _read(self, name: str, row: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        scale_name = self._consume(name)
+        get = self.ckpt.get if row is None else (lambda n: self.ckpt.get_row(n, row))  # noqa: E731
+        value = get(name)
+        scale = get(scale_name) if scale_name is not None else None
+        self.bytes_read += value.nbytes + (scale.nbytes if scale is not None else 0)
+        return value, scale
+
+    def fill(self, name: str, target: Target | None) -> None:
+        if target is None:
+            self._consume(name)
+            return
+        container = _container(self.model, target.internal)
+        if isinstance(container, GroupedWeight):
+            self._fill_experts(name, target, container)
+            return
+        value, scale = self._read(name)
+        if target.internal in self.filled:
+            raise WeightLoadError(f"tensor {name}: parameter {target.internal} filled twice")
+        if container is not None and container.fmt.quantized:
+            self._store_quantized(name, container, (), value, scale)
+        else:
+            self._store_dense(name, self.params[target.internal], value, scale)
+        self.filled.add(target.internal)
+
+    @staticmethod
+    def _store_dense(name: str, dst: torch.Tensor, value: torch.Tensor, scale: torch.Tensor | None) -> None:
+        value = _dequantized(name, value, scale)
+        if tuple(value.shape) != tuple(dst.shape):
+            raise WeightLoadError(f"tensor {name} has shape {tuple(value.shape)}, expected {tuple(dst.shape)}")
+        dst.copy_(value)
+
+    @staticmethod
+    def _store_quantized(name: str, w: QuantWeight, index: tuple, value: torch.Tensor,
+                         scale: torch.Tensor | None, scale_index: tuple | None = None) -> None:
+        """The stored codes and scale as they are into w.weight[index] / w.scale[scale_index]."""
+        if scale is None or value.dtype != w.weight.dtype:
+            raise WeightLoadError(f"tensor {name} ({value.dtype}) does not match its planned format {w.fmt.describe()}")
+        dst, sdst = w.weight[index], w.scale[index if scale_index is None else scale_index]
+        if tuple(value.shape) != tuple(dst.shape):
+            raise WeightLoadError(f"tensor {name} has shape {tuple(value.shape)}, expected {tuple(dst.shape)}")
+        if tuple(scale.shape) != tuple(sdst.shape):
+            raise WeightLoadError(f"tensor {name}: scale shape {tuple(scale.shape)}, expected {tuple(sdst.shape)}")
+        dst.copy_(value)
+        sdst.copy_(scale)
+
+    def _fill_experts(self, name: str, target: Target, w: GroupedWeight) -> None:
+        experts: RoutedExperts = self.model.get_submodule(target.internal.rsplit(".", 2)[0])
+        if target.expert is None:  # one stacked tensor [E, N, K] (transformers layout)
+            _, shape = self.ckpt.info(name)
+            if not shape or shape[0] != experts.num_experts:
+                raise WeightLoadError(f"tensor {name} has shape {shape}, expected {experts.num_experts} experts first")
+            if experts.holds_all:
+                self._store_expert(name, w, slice(None), "all", *self._read(name))
+                return
+            self._consume(name)
+            for e in sorted(set(experts.logical_ids)):
+                value, scale = self._read(name, row=e)
+                for slot in experts.slots_of(e):
+                    self._store_expert(name, w, slot, "all", value, scale)
+            return
+        if target.expert >= experts.num_experts:
+            raise WeightLoadError(f"tensor {name}: expert {target.expert} ≥ n_routed_experts {experts.num_experts}")
+        slots = experts.slots_of(target.expert)
+        if not slots:  # another rank's expert: never read
+            self._consume(name)
+            return
+        value, scale = self._read(name)
+        for slot in slots:
+            self._store_expert(name, w, slot, target.part, value, scale)
+
+    def _store_expert(self, name: str, w: GroupedWeight, slot: int | slice, part: str, value: torch.Tensor,
+                      scale: torch.Tensor | None) -> None:
+        inter = self.cfg.moe_intermediate_size
+        rows = {"gate": slice(0, inter), "up": slice(inter, 2 * inter), "all": slice(None)}[part]
+        slots = range(w.lead[0]) if isinstance(slot, slice) else [slot]
+        for s in slots:
+            have = self.expert_parts.setdefault((id(w), s), set())
+            if part in have or "all" in have or (part == "all" and have):
+                raise WeightLoadError(f"tensor {name}: expert weight given twice")
+            have.add(part)
+        if w.fmt.quantized:
+            block = w.fmt.block[0]
+            srows = slice(rows.start // block, rows.stop // block) if part in _PART_ROWS else slice(None)
+            self._store_quantized(name, w, (slot, rows), value, scale, (slot, srows))
+        else:
+            self._store_dense(name, w.weight[slot, rows], value, scale)
+
+    def check_complete(self) -> None:
+        containers = {f"{path}.scale": m for path, m in self.model.named_modules() if isinstance(m, QuantWeight)}
+        for internal, param in self.params.items():
+            if internal in containers:
+                continue  # filled with its weight
+            w = _container(self.model, internal)
+            if isinstance(w, GroupedWeight):
+                self._check_experts(internal, w)
+            elif internal not in self.filled:
+                raise WeightLoadError(f"missing tensor for parameter {internal} (shape {tuple(param.shape)})")
+
+    def _check_experts(self, internal: str, w: GroupedWeight) -> None:
+        experts: RoutedExperts = self.model.get_submodule(internal.rsplit(".", 2)[0])
+        wanted = ("gate", "up") if w is experts.w13 else ("all",)
+        for slot, logical in enumerate(experts.logical_ids):
+            have = self.expert_parts.get((id(w), slot), set())
+            for part in wanted:
+                if part not in have and "all" not in have:
+                    raise WeightLoadError(f"missing tensor for expert {logical} of {internal} ({part} rows)")
+
+
+# ---- loading -----------------------------------------------------------------------------
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
+               progress: bool = True, load_mtp: bool = True, weight_dtype: str = "auto",
+               experts: dict[int, list[int]] | None = None) -> DeepseekV4:
+    """Build the model described by `model_dir/config.json` and fill it from its safetensors.
+
+    dtype: the compute dtype. weight_dtype: 'auto' keeps FP8/FP4 weights as stored, 'bf16'
+    decodes them into `dtype` (the upcast). experts: MoE layer id → the logical experts this
+    rank holds (see `build_model`); None holds all."""
+    if weight_dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {weight_dtype!r}")
+    model_dir = Path(model_dir)
+    cfg = ModelConfig.from_model_dir(model_dir)
+    ckpt = _Checkpoint(shard_files(model_dir))
+    layout = detect_layout(list(ckpt.location))
+    has_mtp = any(n.startswith("mtp.") for n in ckpt.location)
+    model = build_model(cfg, with_mtp=load_mtp and has_mtp and cfg.num_nextn_predict_layers > 0, dtype=dtype)
+    targets = _targets(ckpt, layout, {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()},
+                       load_mtp)
+    configure(model, stored_formats(model, ckpt, targets) if weight_dtype == "auto" else {}, experts)
+    _materialize(model, device)
+    filler = _Filler(model, ckpt)
+    # No tqdm at all without a progress bar: even disabled, it creates a multiprocessing lock
+    # (a named semaphore) that a worker killed at shutdown would leave behind.
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(targets), desc="loading weights", unit="tensor", leave=False)
+    with torch.no_grad():
+        for name, target in targets.items():
+            filler.fill(name, target)
+            if bar is not None:
+                bar.update()
+    if bar is not None:
+        bar.close()
+    filler.check_complete()
+    leftover = set(ckpt.location) - filler.consumed
+    if leftover:
+        raise WeightLoadError(f"unexpected tensor {sorted(leftover)[0]} (unused scale or extra tensor)")
+    model.rope_main.inv_freq = model.rope_main.inv_freq.to(device)
+    model.rope_compress.inv_freq = model.rope_compress.inv_freq.to(device)
+    model.train(False).requires_grad_(False)  # inference only
+    logger.info("loaded %s (%s layout, %d tensors, %.1f MiB read) as %s, weights %s", model_dir, layout, len(targets),
+                filler.bytes_read / 2**20, dtype, weight_dtype)
+    return model

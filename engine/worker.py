@@ -1,7 +1,8 @@
 """The per-device asyncio worker: accept and abort requests, step the engine, emit token deltas.
 
 The loop never spins: with no work it awaits a wake-up event (set by `submit`/`abort`), so an
-idle worker costs no CPU. Between steps it yields to the event loop so new requests and aborts
+idle worker costs no CPU. A rank of an expert-parallel group instead agrees every step with the
+others (engine/lockstep.py) and polls that agreement while idle. Between steps it yields to the event loop so new requests and aborts
 land before the next schedule. After warm-up it freezes the GC generations (everything alive
 then is long-lived) and runs full collections only while idle, so collection pauses stay out
 of the token path (automatic oldest-generation collections are pushed far out). It records the
@@ -21,6 +22,7 @@ from typing import Callable
 from ipc.messages import INT64_MAX, Finished, SamplingParams, StepOutputs
 
 from .engine import Engine
+from .lockstep import IDLE_POLL_S, Lockstep, StepPlan
 from .request import RequestError
 
 logger = logging.getLogger(__name__)
@@ -35,9 +37,10 @@ class WorkerStats:
 
 
 class Worker:
-    def __init__(self, engine: Engine, emit: Callable[[StepOutputs], None]):
+    def __init__(self, engine: Engine, emit: Callable[[StepOutputs], None], lockstep: Lockstep | None = None):
         self.engine = engine
         self.emit = emit
+        self.lockstep = lockstep  # the expert-parallel group's agreement, or None (an independent rank)
         self.stats = WorkerStats()
         self._commands: deque[tuple] = deque()
         self._wakeup: asyncio.Event | None = None
@@ -100,6 +103,9 @@ class Worker:
         self.stats = WorkerStats()  # pauses are measured from serving on, not during loading
 
     async def run(self) -> None:
+        if self.lockstep is not None:
+            await self._run_lockstep(self.lockstep)
+            return
         self._wakeup = asyncio.Event()
         last_step_end = None
         while not self._stopping:
@@ -124,6 +130,35 @@ class Worker:
             self.stats.steps += 1
             last_step_end = time.perf_counter()
             await asyncio.sleep(0)  # let submits/aborts in before the next schedule
+
+    async def _run_lockstep(self, lockstep: Lockstep) -> None:
+        """The loop of one rank of an expert-parallel group: agree, then all step (or all idle)."""
+        self._wakeup = asyncio.Event()
+        engine = self.engine
+        while True:
+            self._apply_commands()
+            batch = engine.scheduler.schedule()
+            wish = StepPlan(bool(batch), engine.draft_wish(batch) if batch else 0, bool(batch) and
+                            engine.runner.static_ok(batch), self._stopping)
+            plan = lockstep.agree(wish)  # the one collective of every iteration, on every rank
+            if plan.stopping:
+                return
+            if not plan.has_work:  # every rank is idle: wait for work here (or a peer's), then agree again
+                self._wakeup.clear()
+                if not self._commands:
+                    try:
+                        await asyncio.wait_for(self._wakeup.wait(), IDLE_POLL_S)
+                    except TimeoutError:
+                        pass
+                continue
+            self.step_started_at = time.time()
+            out = engine.run(batch, plan.num_drafts, allow_static=plan.static_ok, lockstep=True)
+            if out.deltas or out.finished:
+                self.emit(out)
+            self.step_started_at = 0.0
+            self.stats.steps += 1
+            lockstep.after_step(self.stats.steps)
+            await asyncio.sleep(0)
 
     def _on_gc(self, phase: str, info: dict) -> None:
         if phase == "start":

@@ -28,8 +28,11 @@ from ipc import (Abort, Heartbeat, IpcError, RingReader, RingTimeout, RingWriter
 from ipc.errors import MessageTooLarge
 from ipc.loop import new_event_loop
 
-from .config import ConfigError, EngineConfig
+from .config import ConfigError, EngineConfig, ModelConfig, ParallelConfig
 from .engine import Engine, default_dtype
+from .lockstep import Lockstep, join_group
+from .distributed import RendezvousError
+from .expert_parallel import ExpertParallel, experts_to_load, initial_placement
 from .weights import WeightLoadError, load_model
 from .worker import Worker
 
@@ -66,22 +69,26 @@ class Outbox:
             raise RingFailure(f"output ring: {type(exc).__name__}: {exc}") from None
 
 
-def worker_main(rank: int, model_dir: str, config_json: str, request_ring: str, control_ring: str,
-                output_ring: str, status_ring: str, num_threads: int, device: str = "cpu") -> None:
+def worker_main(args, device: str = "cpu") -> None:
+    """Run one rank until told to stop (args: server.worker_entry.WorkerArgs)."""
+    rank = args.rank
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
-    torch.set_num_threads(num_threads)
-    writer = RingWriter.attach(output_ring)
-    requests = RingReader.attach(request_ring)
-    control = RingReader.attach(control_ring)
-    status = RingWriter.attach(status_ring)
+    torch.set_num_threads(args.num_threads)
+    writer = RingWriter.attach(args.output_ring)
+    requests = RingReader.attach(args.request_ring)
+    control = RingReader.attach(args.control_ring)
+    status = RingWriter.attach(args.status_ring)
     outbox = Outbox(writer)
     heartbeat: HeartbeatThread | None = None
+    group = None
     try:
-        config = EngineConfig.from_json(config_json)
-        model = load_model(model_dir, dtype=default_dtype(config, device), device=device, progress=False,
-                           load_mtp=bool(config.resolved().speculative_tokens))
+        config = EngineConfig.from_json(args.engine_config)
+        parallel = ParallelConfig.from_json(args.parallel_config)
+        if parallel.grouped:
+            group = join_group(rank, parallel, args.master_port, args.generation)
+        model, ep = _load(args.model_dir, config, parallel, device, group)
         engine = Engine(model, config)
-        worker = Worker(engine, outbox.send)
+        worker = Worker(engine, outbox.send, Lockstep(group, ep, parallel) if group is not None else None)
         worker.warm_up()
         heartbeat = HeartbeatThread(rank, worker, status)
         heartbeat.start()
@@ -93,7 +100,7 @@ def worker_main(rank: int, model_dir: str, config_json: str, request_ring: str, 
         finally:
             loop.close()
     except Exception as exc:  # report, then exit non-zero: the server fails this rank's requests
-        if not isinstance(exc, (ConfigError, WeightLoadError, RingFailure)):  # known errors: the server prints them
+        if not isinstance(exc, (ConfigError, WeightLoadError, RingFailure, RendezvousError)):  # known: one line
             logger.exception("worker %d failed", rank)
         try:
             outbox.send(Shutdown(f"rank {rank} failed: {type(exc).__name__}: {exc}"))
@@ -103,10 +110,30 @@ def worker_main(rank: int, model_dir: str, config_json: str, request_ring: str, 
     finally:
         if heartbeat is not None:
             heartbeat.stop()
+        if group is not None:
+            group.close()
         requests.close()
         control.close()
         writer.close()
         status.close()
+
+
+def _load(model_dir: str, config: EngineConfig, parallel: ParallelConfig, device: str, group):
+    """The model, with this rank's share of the experts under expert parallelism (and the
+    machinery that reaches the others' shares), else whole."""
+    resolved = config.resolved()
+    load_mtp = bool(resolved.speculative_tokens)
+    kwargs = dict(dtype=default_dtype(config, device), device=device, progress=False, load_mtp=load_mtp,
+                  weight_dtype=config.weight_dtype)
+    if group is None:
+        return load_model(model_dir, **kwargs), None
+    cfg = ModelConfig.from_model_dir(model_dir)
+    num_mtp = cfg.num_nextn_predict_layers if load_mtp else 0
+    placement = initial_placement(cfg, num_mtp, parallel)
+    model = load_model(model_dir, experts=experts_to_load(placement, group.rank), **kwargs)
+    if len(model.mtp) != num_mtp:
+        raise ConfigError("--speculative-tokens needs MTP weights in the checkpoint")
+    return model, ExpertParallel(model, group, parallel, placement, resolved.max_num_batched_tokens)
 
 
 async def _serve(rank: int, worker: Worker, requests: RingReader, control: RingReader, outbox: Outbox,
@@ -181,15 +208,20 @@ class HeartbeatThread(threading.Thread):
             except IpcError as exc:
                 self.failure = RingFailure(f"status ring: {type(exc).__name__}: {exc}")
                 return
+            except Exception as exc:  # noqa: BLE001 - a silent heartbeat thread would look like a hung rank
+                self.failure = exc
+                return
             self._stop_event.wait(self.interval_s)
 
     def beat(self) -> Heartbeat:
         worker, engine = self.worker, self.worker.engine
         sched, st, blocks = engine.scheduler, engine.stats, engine.cache.manager.full
+        ep = worker.lockstep.ep if worker.lockstep is not None else None
         return Heartbeat(self.rank, worker.stats.steps, worker.step_started_at, engine.model.layers_run,
                          len(sched.running), len(sched.waiting), blocks.num_used, blocks.num_blocks, time.time(),
                          sched.num_preemptions, st.spec_drafts, st.spec_draft_tokens,
-                         list(st.spec_accepted_per_position), worker.stats.max_loop_pause_s)
+                         list(st.spec_accepted_per_position), worker.stats.max_loop_pause_s,
+                         list(ep.last_imbalance) if ep is not None else [], ep.rebalances if ep is not None else 0)
 
     def stop(self) -> None:
         self._stop_event.set()

@@ -141,6 +141,10 @@ class Heartbeat(Struct, frozen=True, array_like=True, tag=6):
     spec_draft_tokens: Count = 0
     spec_accepted_per_position: list[Count] = []
     loop_pause_max_s: Seconds = 0.0
+    # Expert parallelism: per MoE layer, max/mean of per-rank expert tokens over the last EPLB
+    # window (empty without EP), and how many times the placement was rebalanced.
+    expert_imbalance: list[Annotated[float, Meta(ge=0.0)]] = []
+    eplb_rebalances: Count = 0
 
 
 ToWorker = Union[Submit, Abort, Shutdown]

@@ -66,6 +66,9 @@ class RingEndpoint:
         self._spin_ns = int(self.config.spin_max_s * 1e9)
         self._broken: str | None = None
         self._closed = False
+        self._registered_loop: asyncio.AbstractEventLoop | None = None  # see _loop_event
+        self._registered_fds: list[int] = []
+        self._loop_wake: asyncio.Event | None = None
         self._next = 0  # index of the next message this end writes or reads
         self.stats = RingStats()
         self._finalizer = weakref.finalize(self, Segment.unlink, seg) if seg.owner else None
@@ -150,6 +153,8 @@ class RingEndpoint:
                 readable, _, _ = select.select(fds, [], [], max(wait_s, 0.0))
                 if bell in readable:
                     self._bell_mine.drain()
+                    if ready():  # the common wake-up: no need to re-arm first
+                        return
                 elif not readable and ready():
                     self._note_lost_wakeup()
                     return
@@ -157,36 +162,55 @@ class RingEndpoint:
             self._i[self.OFF_PARKED // 4] = 0
 
     async def _park_async(self, ready: Callable[[], bool], deadline_ns: int, what: str, timeout: float) -> None:
+        """Like _park, on the running event loop. The doorbell and the peer's pidfd stay registered
+        with the loop between waits (re-registering costs syscalls every time an end parks)."""
         self.stats.parks += 1
         loop = asyncio.get_running_loop()
-        bell = self._bell_mine.fileno()
+        event = self._loop_event(loop)
         try:
             while True:
+                event.clear()
                 if self._armed_and_ready(ready, deadline_ns, what, timeout):
                     return
-                fut = loop.create_future()
-
-                def wake() -> None:
-                    if not fut.done():
-                        fut.set_result(None)
-
-                fds = [bell]
-                peer_fd = self._peer.fileno() if self._peer else None
-                if peer_fd is not None:
-                    fds.append(peer_fd)
-                for fd in fds:
-                    loop.add_reader(fd, wake)
                 wait_s = min((deadline_ns - time.perf_counter_ns()) / 1e9, self.config.park_tick_s)
-                timer = loop.call_later(max(wait_s, 0.0), wake)
                 try:
-                    await fut
-                finally:
-                    timer.cancel()
-                    for fd in fds:
-                        loop.remove_reader(fd)
-                self._bell_mine.drain()
+                    await asyncio.wait_for(event.wait(), max(wait_s, 0.0))
+                except TimeoutError:
+                    if ready():
+                        self._note_lost_wakeup()
+                        return
+                    continue
+                if ready():
+                    return
         finally:
             self._i[self.OFF_PARKED // 4] = 0
+
+    def _loop_event(self, loop: asyncio.AbstractEventLoop) -> asyncio.Event:
+        """The event the doorbell (and the peer's exit) sets, registered once with `loop`."""
+        if self._registered_loop is not loop:
+            self._unregister_loop()
+            event = asyncio.Event()
+
+            def on_readable() -> None:
+                self._bell_mine.drain()
+                event.set()
+
+            self._registered_fds = [self._bell_mine.fileno()]
+            if self._peer is None:
+                self._watch_peer()
+            if self._peer is not None and self._peer.fileno() is not None:
+                self._registered_fds.append(self._peer.fileno())
+            for fd in self._registered_fds:
+                loop.add_reader(fd, on_readable)
+            self._registered_loop, self._loop_wake = loop, event
+        return self._loop_wake
+
+    def _unregister_loop(self) -> None:
+        loop, self._registered_loop = self._registered_loop, None
+        if loop is not None and not loop.is_closed():
+            for fd in self._registered_fds:
+                loop.remove_reader(fd)
+        self._registered_fds = []
 
     def _armed_and_ready(self, ready: Callable[[], bool], deadline_ns: int, what: str, timeout: float) -> bool:
         """Set ``parked``, fence, re-check; raise if the peer is gone or the deadline passed."""
@@ -206,17 +230,22 @@ class RingEndpoint:
             if ready():
                 return
             raise RingClosed(f"ring {self.name}: the {self.PEER_ROLE} closed its end")
-        if self._peer is None:
-            pid = self._i[self.OFF_PEER_PID // 4]
-            if pid == 0:
-                return  # peer not attached yet: only the timeout applies
-            self._peer = PeerWatch(pid)
+        if self._peer is None and not self._watch_peer():
+            return  # peer not attached yet: only the timeout applies
         if not self._peer.alive() and not ready():
             self._broken = f"{self.PEER_ROLE} pid {self._peer.pid} died"
             raise PeerDied(
                 f"ring {self.name}: the {self.PEER_ROLE} (pid {self._peer.pid}) exited without "
                 "closing; recreate the ring"
             )
+
+    def _watch_peer(self) -> bool:
+        """Start watching the peer process once it has attached; False if it has not yet."""
+        pid = self._i[self.OFF_PEER_PID // 4]
+        if pid == 0:
+            return False
+        self._peer = PeerWatch(pid)
+        return True
 
     def _check_epoch(self) -> None:
         """Overridden by the reader: the writer's epoch must never change."""
@@ -260,6 +289,7 @@ class RingEndpoint:
 
     def _close_local(self) -> None:
         self._closed = True
+        self._unregister_loop()
         self._bell_mine.close()
         self._bell_peer.close()
         if self._peer is not None:

@@ -60,9 +60,8 @@ def measure(checkout: Path, model: Path) -> tuple[float, float, float]:
             except OSError:
                 time.sleep(0.05)
         ready = time.perf_counter() - t0
-        children = subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "spawn_main"], capture_output=True,
-                                  text=True).stdout.split()
-        return ready, rss_mib(proc.pid), max(rss_mib(int(c)) for c in children)
+        children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        return ready, rss_mib(proc.pid), max(rss_mib(int(c)) for c in children)  # the worker is the largest child
     finally:
         proc.terminate()
         proc.wait(timeout=60)

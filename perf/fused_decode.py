@@ -17,7 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from engine.decode_batch import DecodeBatch
 from engine.layers import apply_rope, hc_expand, head_rms_norm, rms_norm
@@ -120,17 +119,16 @@ def fused_attention(attn, x, positions, rope, batch: DecodeBatch, layer: int, me
     cfg = attn.cfg
     eps = cfg.rms_norm_eps
     cos, sin = rope.main if attn.kind == "swa" else rope.compress
-    q_res = rms_norm(F.linear(x, attn.wq_a), attn.q_norm, eps)
-    q = F.linear(q_res, attn.wq_b).view(x.shape[0], cfg.num_heads, cfg.head_dim)
+    q_res = rms_norm(attn.wq_a(x), attn.q_norm, eps)
+    q = attn.wq_b(q_res).view(x.shape[0], cfg.num_heads, cfg.head_dim)
     q = apply_rope(head_rms_norm(q, eps), cos, sin)
-    kv = apply_rope(rms_norm(F.linear(x, attn.wkv), attn.kv_norm, eps), cos, sin)
+    kv = apply_rope(rms_norm(attn.wkv(x), attn.kv_norm, eps), cos, sin)
     comp_rows = attn.compressor.project(x, positions) if attn.compressor is not None else None
     idx_rows = attn.indexer.compressor.project(x, positions) if attn.indexer is not None else None
     out = fused_attend(attn, q, kv, x, q_res, cos, sin, comp_rows, idx_rows, batch, layer, meta)
     out = apply_rope(out.to(x.dtype), cos, sin, inverse=True)
     grouped = out.view(x.shape[0], cfg.o_groups, -1)
-    low = torch.einsum("tgi,goi->tgo", grouped, attn.wo_a.view(cfg.o_groups, cfg.o_lora_rank, -1)).flatten(1)
-    return F.linear(low, attn.wo_b)
+    return attn.wo_b(attn.wo_a(grouped).flatten(1))
 
 
 def _mix(site, streams: torch.Tensor, cfg):

@@ -1,4 +1,4 @@
-"""The `ringserve` command line: make-model, generate, train-builtin (and serve, bench, kv-report).
+"""The `ringserve` command line: make-model, generate, kv-report, memory-report, train-builtin, serve, bench.
 
 Every user error (bad flag value, unreadable checkpoint, invalid sampling parameter) ends as
 one line `ringserve: error: …` on stderr and exit status 2, never a traceback.
@@ -65,6 +65,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="compute dtype (auto: fp32 on CPU, bf16 on GPU)")
     p.add_argument("--kv-dtype", choices=["auto", "bf16", "fp8", "fp4"], default="auto",
                    help="KV record format (auto: the compute dtype)")
+    p.add_argument("--weight-dtype", choices=["auto", "bf16"], default="auto",
+                   help="weight storage: auto keeps the checkpoint's form (FP8 dense projections and FP4 "
+                        "routed experts stay quantized, dequantized inside the GEMM kernels); bf16 decodes "
+                        "every weight into the compute dtype at load (more memory)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="sequences per step (mode default)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step (mode default)")
     p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: min(model, 32768))")
@@ -80,14 +84,54 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="never capture CUDA graphs: decode steps run the per-sequence eager path")
     p.add_argument("--kv-cache-memory", type=float, default=2.0, help="GiB for the KV pools")
     p.add_argument("--block-size", type=int, default=256, help="tokens per KV block")
-    p.add_argument("--dp", type=int, default=1,
-                   help="data-parallel ranks; > 1 runs one worker process per rank behind shared-memory rings")
+    add_parallel_args(p)
+
+
+def add_parallel_args(p: argparse.ArgumentParser) -> None:
+    """Parallelism across worker processes, as vLLM spells it."""
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--data-parallel-size", "--dp", dest="dp", type=int, default=1,
+                   help="data-parallel ranks, one worker process each (one GPU each on a GPU machine)")
+    g.add_argument("--enable-expert-parallel", action="store_true",
+                   help="shard the routed experts over the data-parallel ranks (DEP: data-parallel attention, "
+                        "expert-parallel MoE); the ranks step in lockstep")
+    g.add_argument("--num-redundant-experts", type=int, default=0,
+                   help="extra expert replicas over the group (EPLB gives them to the most loaded experts)")
+    g.add_argument("--enable-eplb", action="store_true", help="rebalance expert placement from measured load")
+    g.add_argument("--eplb-step-interval", type=int, default=3000, help="engine steps between EPLB rebalances")
+    g.add_argument("--all2all-backend", default="all_to_all",
+                   choices=["all_to_all", "padded_all_to_all", "allgather_reducescatter"],
+                   help="MoE dispatch/combine: uneven all-to-all, fixed-size padded buffers (CUDA-graph safe), "
+                        "or all-gather + reduce-scatter")
+    g.add_argument("--data-parallel-size-local", type=int, default=None,
+                   help="ranks this node runs (multi-node; default: all)")
+    g.add_argument("--data-parallel-start-rank", type=int, default=0, help="the first rank this node runs")
+    g.add_argument("--data-parallel-address", default="127.0.0.1", help="the head node's address")
+    g.add_argument("--data-parallel-rpc-port", type=int, default=29550,
+                   help="the head's port for headless nodes (the rendezvous store listens on the next port)")
+    g.add_argument("--headless", action="store_true", help="run this node's ranks and no HTTP server")
+    g.add_argument("--rendezvous-timeout", type=float, default=300.0,
+                   help="seconds every node and rank has to join the group at start")
+
+
+def parallel_config_from(args: argparse.Namespace):
+    from engine.config import ParallelConfig
+
+    return ParallelConfig(data_parallel_size=args.dp, data_parallel_size_local=args.data_parallel_size_local,
+                          data_parallel_start_rank=args.data_parallel_start_rank,
+                          data_parallel_address=args.data_parallel_address,
+                          data_parallel_rpc_port=args.data_parallel_rpc_port, headless=args.headless,
+                          rendezvous_timeout_s=args.rendezvous_timeout,
+                          enable_expert_parallel=args.enable_expert_parallel,
+                          num_redundant_experts=args.num_redundant_experts, enable_eplb=args.enable_eplb,
+                          eplb_step_interval=args.eplb_step_interval, all2all_backend=args.all2all_backend)
 
 
 def engine_config_from(args: argparse.Namespace):
     from engine.config import EngineConfig
 
-    return EngineConfig(mode=args.mode, dtype=args.dtype, kv_dtype=args.kv_dtype, max_num_seqs=args.max_num_seqs,
+    return EngineConfig(mode=args.mode, dtype=args.dtype, kv_dtype=args.kv_dtype, weight_dtype=args.weight_dtype,
+                        max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                         speculative_tokens=args.speculative_tokens,
                         cuda_graph_sizes=tuple(args.cuda_graph_sizes or ()),
@@ -113,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_make_model(sub)
     _add_generate(sub)
     _add_kv_report(sub)
+    from server.memory_report import add_memory_report_parser
+
+    add_memory_report_parser(sub)
     from server.serve import add_serve_parser
 
     add_serve_parser(sub, add_engine_args)
@@ -127,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("systemd-unit", help="print a systemd unit that runs `ringserve serve` with these flags")
     p.add_argument("--user", default=None, help="run as this account (default: DynamicUser)")
     p.add_argument("--watchdog-sec", type=float, default=60.0)
+    p.add_argument("--role", choices=["server", "head", "headless"], default=None,
+                   help="one node (server), or a multi-node group's head / headless node "
+                        "(default: from the serve flags)")
     p.add_argument("serve_args", nargs=argparse.REMAINDER, help="flags for ringserve serve")
     p.set_defaults(func=_cmd_systemd_unit)
     return parser
@@ -159,10 +209,17 @@ def _cmd_systemd_unit(args: argparse.Namespace) -> int:
     from server.systemd import render_unit
 
     serve_args = [a for a in args.serve_args if a != "--"]
+    if args.role == "headless" and "--headless" not in serve_args:
+        serve_args.append("--headless")
     probe = build_parser().parse_args(["serve", *serve_args])  # validate the flags now, not at boot
+    parallel = parallel_config_from(probe)  # raises ConfigError naming a bad flag
+    role = "headless" if probe.headless else "head" if parallel.multi_node else "server"
+    if args.role is not None and args.role != role:
+        raise CliError(f"--role {args.role} does not match the serve flags, which describe a {role} "
+                       f"(a head runs ranks from 0 with --data-parallel-size-local < --data-parallel-size)")
     exec_path = shutil.which("ringserve") or str(Path(sys.executable).with_name("ringserve"))
     print(render_unit(serve_args, exec_path=exec_path, user=args.user, drain_timeout_s=probe.drain_timeout,
-                      watchdog_s=args.watchdog_sec), end="")
+                      watchdog_s=args.watchdog_sec, role=role), end="")
     return 0
 
 
@@ -272,7 +329,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     model_cfg = ModelConfig.from_model_dir(model_dir)
     for i, ids in enumerate(prompts):  # every prompt checked before a worker starts
         validate_request(model_cfg.vocab_size, config.context_length(model_cfg), ids, params, i)
-    llm = LLM(model_dir, dp=args.dp, **config.to_dict())
+    llm = LLM(model_dir, parallel=parallel_config_from(args), **config.to_dict())
     try:
         results = llm.generate(prompts, params)
     except KeyboardInterrupt:

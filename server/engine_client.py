@@ -23,20 +23,24 @@ This module never imports torch: the HTTP process stays light (see docs/lifecycl
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hashlib
 import logging
-import multiprocessing
 import os
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator, Union
 
-from engine.config import EngineConfig
-from ipc import (Abort, Finished, Heartbeat, IpcError, RingClosed, RingConfig, RingReader, RingTimeout, RingWriter,
-                 SamplingParams, Shutdown, StepOutputs, Submit, TokenDelta, WorkerReady, decode, encode)
+from engine.config import EngineConfig, ParallelConfig
+from ipc import (Abort, Finished, Heartbeat, IpcError, RingClosed, RingConfig, RingTimeout, SamplingParams, Shutdown,
+                 StepOutputs, Submit, TokenDelta, WorkerReady, decode, encode)
 from ipc.segment import remove_orphans
 
-from .router import DPRouter
+from .links import LocalLink, NodeChannel, RankLink
+from .router import DPRouter, NoRankAlive
+from .worker_entry import WorkerArgs
 
 logger = logging.getLogger(__name__)
 
@@ -54,20 +58,10 @@ def _slot_bytes(max_model_len: int | None) -> int:
     return max(1 << 20, -(-need // 64) * 64)
 
 
-CONTROL_RING = RingConfig(slot_bytes=64 << 10, num_slots=64)
-
-
-STATUS_RING = RingConfig(slot_bytes=4096, num_slots=64)
-
-
 @dataclass
 class _Rank:
     index: int
-    process: multiprocessing.Process
-    requests: RingWriter
-    control: RingWriter
-    outputs: RingReader
-    status: RingReader
+    link: RankLink
     ready: WorkerReady | None = None
     alive: bool = True
     last_beat: Heartbeat | None = None
@@ -78,20 +72,18 @@ class _Rank:
     aborts: list[int] = field(default_factory=list)  # waiting for the abort flusher
     abort_wakeup: asyncio.Event = field(default_factory=asyncio.Event)
 
-    @property
-    def rings(self) -> tuple:
-        return self.requests, self.control, self.outputs, self.status
-
 
 class EngineClient:
-    def __init__(self, model_dir: str | Path, config: EngineConfig, dp: int = 1, device: str = "cpu",
+    def __init__(self, model_dir: str | Path, config: EngineConfig, dp: int | None = None, device: str = "cpu",
                  threads_per_worker: int | None = None, ring_config: RingConfig | None = None,
                  stuck_after_s: float = 60.0, liveness_timeout_s: float = 5.0, ready_timeout_s: float = 600.0,
-                 routing: str = "token_load"):
-        if dp < 1:
+                 routing: str = "token_load", parallel: ParallelConfig | None = None):
+        if dp is not None and dp < 1:
             raise ValueError(f"--dp must be ≥ 1, got {dp}")
+        self.parallel = parallel or ParallelConfig(data_parallel_size=dp or 1)
+        dp = self.parallel.data_parallel_size
         self.model_dir, self.config, self.dp, self.device = str(model_dir), config, dp, device
-        self.threads = threads_per_worker or max(1, (os.cpu_count() or 1) // dp)
+        self.threads = threads_per_worker or max(1, (os.cpu_count() or 1) // self.parallel.local_size)
         self.ring_config = ring_config or RingConfig(slot_bytes=_slot_bytes(config.max_model_len), num_slots=64)
         self.stuck_after_s = stuck_after_s
         self.liveness_timeout_s = liveness_timeout_s
@@ -104,34 +96,59 @@ class EngineClient:
         self._tasks: list[asyncio.Task] = []
         self.on_dead: list = []  # callbacks(rank) fired when a worker dies
         self.stuck: dict[int, str] = {}  # rank → what the watchdog last reported
+        self._shut_down = False
+        self._nodes: NodeChannel | None = None  # a multi-node head's channel to its headless nodes
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
+        """Start this node's ranks (and, on a multi-node head, welcome the headless nodes'), wait
+        until every rank is ready, then listen. Anything half-started is stopped on failure."""
         remove_orphans()  # rings a crashed predecessor left in /dev/shm
-        ctx = multiprocessing.get_context("spawn")
-        from server.worker_entry import run_worker
-
-        config_json = self.config.to_json().decode()
-        for rank in range(self.dp):
-            requests = RingWriter.create(self.ring_config)
-            control = RingWriter.create(CONTROL_RING)
-            outputs = RingReader.create(self.ring_config)
-            status = RingReader.create(STATUS_RING)
-            proc = ctx.Process(target=run_worker, name=f"ringserve-rank{rank}", daemon=True,
-                               args=(rank, self.model_dir, config_json, requests.name, control.name, outputs.name,
-                                     status.name, self.threads, self.device, worker_device(self.device, rank)))
-            proc.start()
-            self.ranks.append(_Rank(rank, proc, requests, control, outputs, status))
+        parallel = self.parallel
+        # One rendezvous per start: a fresh generation id, so a restarted group never meets a
+        # stale peer; on one node the store takes any free port, across nodes the agreed one.
+        generation = uuid.uuid4().hex
         try:
+            if parallel.multi_node:
+                self._nodes = NodeChannel(parallel.data_parallel_address, parallel.data_parallel_rpc_port)
+            self.start_local_ranks(generation)
+            if self._nodes is not None:
+                remote = [(first, n) for first, n in remote_nodes(parallel)]
+                links = await self._nodes.accept(remote, config_digest(self.model_dir, self.config, parallel),
+                                                 generation, self.ring_config.payload_bytes,
+                                                 parallel.rendezvous_timeout_s)
+                self.ranks += [_Rank(link.rank, link) for link in links]
+                self.ranks.sort(key=lambda r: r.index)
             await asyncio.gather(*(self._await_ready(r) for r in self.ranks))
         except BaseException:
             await self.shutdown(timeout_s=5.0)  # no half-started server: stop every rank, unlink rings
             raise
+        self.listen()
+
+    def start_local_ranks(self, generation: str) -> None:
+        parallel = self.parallel
+        master_port = 0
+        if parallel.grouped:
+            from engine.distributed import pick_free_port
+
+            master_port = (parallel.data_parallel_rpc_port + 1 if parallel.multi_node
+                           else pick_free_port(parallel.data_parallel_address))
+        for rank in parallel.local_ranks:
+            def make_args(requests, control, outputs, status, rank=rank) -> WorkerArgs:
+                return WorkerArgs(rank, self.model_dir, self.config.to_json().decode(), parallel.to_json().decode(),
+                                  requests, control, outputs, status, self.threads, self.device,
+                                  worker_device(self.device, rank - parallel.data_parallel_start_rank), master_port,
+                                  generation)
+
+            self.ranks.append(_Rank(rank, LocalLink(rank, self.ring_config, make_args)))
+
+    def listen(self) -> None:
+        """Start the tasks that drain every rank's channels and watch them."""
         loop = asyncio.get_running_loop()
         now = time.monotonic()
         for r in self.ranks:
             r.beat_seen_at = r.progress_seen_at = now
-            loop.add_reader(r.process.sentinel, self._on_sentinel, r)
+            r.link.watch_exit(loop, lambda r=r: self._on_exit(r))
             self._tasks += [asyncio.ensure_future(coro) for coro in
                             (self._listen(r), self._listen_status(r), self._flush_aborts(r))]
         self._tasks.append(asyncio.ensure_future(self._watchdog()))
@@ -140,9 +157,9 @@ class EngineClient:
         """Wait for WorkerReady; a worker that fails to load reports why (Shutdown) before exiting."""
         deadline = time.monotonic() + self.ready_timeout_s
         while r.ready is None:
-            alive = r.process.is_alive()  # read before polling, so a last message is never missed
+            alive = r.link.is_alive()  # read before polling, so a last message is never missed
             try:
-                data = r.outputs.poll()
+                data = r.link.poll("outputs")
             except IpcError:
                 data = None
             if data is not None:
@@ -153,7 +170,8 @@ class EngineClient:
                     raise WorkerDied(msg.reason)
                 continue
             if not alive:
-                raise WorkerDied(f"rank {r.index} exited with code {r.process.exitcode} while loading")
+                raise WorkerDied(getattr(r.link, "reason", "") or
+                                 f"rank {r.index} exited with code {r.link.exitcode} while loading")
             if time.monotonic() > deadline:
                 raise WorkerDied(f"rank {r.index} not ready after {self.ready_timeout_s:.0f} s")
             await asyncio.sleep(0.02)
@@ -168,28 +186,30 @@ class EngineClient:
         return bool(self.ranks) and all(r.alive for r in self.ranks) and not self.stuck
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop every rank and unlink every ring (idempotent)."""
+        if self._shut_down:
+            return
+        self._shut_down = True
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
-        loop = asyncio.get_running_loop()
         for r in self.ranks:
-            loop.remove_reader(r.process.sentinel)
-            if r.alive and r.process.is_alive():
+            r.link.unwatch_exit()  # the exits we ask for now are not failures
+            if r.alive and isinstance(r.link, LocalLink) and r.link.is_alive():
                 try:
-                    r.control.put(encode(Shutdown("server shutdown")), timeout=1.0)
+                    r.link.send_now("control", encode(Shutdown("server shutdown")), timeout=1.0)
                 except IpcError:
                     pass
-        deadline = time.monotonic() + timeout_s
+        waits = [r.link.wait_exit(timeout_s) for r in self.ranks if isinstance(r.link, LocalLink)]
+        if self._nodes is not None:  # each headless node stops its own ranks
+            waits.append(self._nodes.say_bye("server shutdown", timeout_s))
+        await asyncio.gather(*waits)
         for r in self.ranks:
-            while r.process.is_alive() and time.monotonic() < deadline:
-                await asyncio.sleep(0.02)
-            if r.process.is_alive():
-                r.process.kill()
-            r.process.join(timeout=5)
             r.alive = False  # nothing more is sent to it (aborts of cancelled requests included)
-            for ring in r.rings:
-                ring.close()
+            r.link.close()
+        if self._nodes is not None:
+            await self._nodes.close()
         for rid in list(self._queues):
             self._deliver(rid, Finished(rid, "abort", 0, 0, "server shutting down", 503))
 
@@ -199,7 +219,11 @@ class EngineClient:
         """Submit a request and yield its output as it arrives, ending with its `Finished`.
         Cancelling the iteration aborts the request in its worker."""
         rid = self.new_request_id() if request_id is None else request_id
-        rank = self.router.assign(rid, len(prompt_token_ids), params.max_tokens, session)
+        try:
+            rank = self.router.assign(rid, len(prompt_token_ids), params.max_tokens, session)
+        except NoRankAlive as exc:
+            yield Finished(rid, "error", len(prompt_token_ids), 0, str(exc), 503)
+            return
         r = self.ranks[rank]
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = queue
@@ -207,8 +231,8 @@ class EngineClient:
         r.inflight.add(rid)
         finished = False
         try:
-            await r.requests.put_async(encode(Submit(rid, prompt_token_ids, params), max_bytes=r.requests.capacity),
-                                       timeout=30.0)
+            await r.link.send("requests", encode(Submit(rid, prompt_token_ids, params),
+                                                  max_bytes=r.link.capacity("requests")), timeout=30.0)
             while True:
                 item: Output = await queue.get()
                 finished = isinstance(item, Finished)
@@ -242,7 +266,7 @@ class EngineClient:
             while r.aborts and r.alive:
                 batch, r.aborts = r.aborts[:4096], r.aborts[4096:]
                 try:
-                    await r.control.put_async(encode(Abort(batch)), timeout=3600.0)
+                    await r.link.send("control", encode(Abort(batch)), timeout=3600.0)
                 except IpcError as exc:
                     if r.alive:
                         logger.error("rank %d control ring failed: %s", r.index, exc)
@@ -259,10 +283,10 @@ class EngineClient:
     async def _listen(self, r: _Rank) -> None:
         while r.alive:
             try:
-                msg = decode(await r.outputs.get_async(timeout=3600.0), "from_worker")
+                msg = decode(await r.link.recv("outputs", timeout=3600.0), "from_worker")
             except asyncio.CancelledError:
                 raise
-            except RingTimeout:
+            except (RingTimeout, TimeoutError):
                 continue
             except RingClosed:  # the worker closed its end: it is exiting, its sentinel says how
                 return
@@ -283,10 +307,10 @@ class EngineClient:
     async def _listen_status(self, r: _Rank) -> None:
         while r.alive:
             try:
-                beat = decode(await r.status.get_async(timeout=3600.0), "from_worker")
+                beat = decode(await r.link.recv("status", timeout=3600.0), "from_worker")
             except asyncio.CancelledError:
                 raise
-            except RingTimeout:
+            except (RingTimeout, TimeoutError):
                 continue
             except RingClosed:
                 return
@@ -305,30 +329,35 @@ class EngineClient:
     def _ring_failed(self, r: _Rank, ring: str, exc: BaseException) -> None:
         """A ring from this rank failed: the rank cannot be trusted again. Kill it; the sentinel
         then fails its requests with this reason (unless it already died for its own)."""
-        if not r.alive or not r.process.is_alive():
+        if not r.alive or not r.link.is_alive():
             return
         r.failure = r.failure or f"rank {r.index} {ring} failed: {type(exc).__name__}: {exc}"
         logger.error("%s; stopping the rank", r.failure)
-        r.process.kill()
+        r.link.kill()
 
     def _deliver(self, rid: int, item: Output) -> None:
         queue = self._queues.get(rid)
         if queue is not None:
             queue.put_nowait(item)
 
-    def _on_sentinel(self, r: _Rank) -> None:
-        asyncio.get_running_loop().remove_reader(r.process.sentinel)
+    def _on_exit(self, r: _Rank) -> None:
         if not r.alive:
             return
         r.alive = False
         r.abort_wakeup.set()
-        r.process.join(timeout=1)
-        died = f"worker rank {r.index} died (exit code {r.process.exitcode})"
-        reason = f"{died}: {r.failure}" if r.failure else died
-        logger.error("%s; failing its %d in-flight requests", reason, len(r.inflight))
-        for rid in self.router.mark_dead(r.index) + list(r.inflight):
+        died = f"worker rank {r.index} died (exit code {r.link.exitcode})"
+        reported = r.failure or getattr(r.link, "reason", "")
+        reason = f"{died}: {reported}" if reported else died
+        # An expert-parallel group cannot heal: every rank's requests fail now, with this cause.
+        victims = [x for x in self.ranks if x.alive or x is r] if self.parallel.grouped else [r]
+        if self.parallel.grouped:
+            reason += "; the expert-parallel group cannot continue"
+        lost = [rid for x in victims for rid in self.router.mark_dead(x.index) + list(x.inflight)]
+        logger.error("%s; failing its %d in-flight requests", reason, len(lost))
+        for rid in lost:
             self._deliver(rid, Finished(rid, "error", 0, 0, reason, 503))
-        r.inflight.clear()
+        for x in victims:
+            x.inflight.clear()
         for callback in self.on_dead:
             callback(r.index)
 
@@ -366,6 +395,24 @@ def watchdog_verdict(rank: int, beat: Heartbeat | None, silent_s: float, stalled
                 f"({beat.num_running} running, {beat.num_waiting} waiting, "
                 f"{beat.kv_blocks_used}/{beat.kv_blocks_total} KV blocks)")
     return None
+
+
+def remote_nodes(parallel: ParallelConfig) -> list[tuple[int, int]]:
+    """(first rank, ranks) of every other node, when each runs as many ranks as the head."""
+    n, local = parallel.data_parallel_size, parallel.local_size
+    if n % local:
+        raise ValueError(f"--data-parallel-size {n} is not a multiple of --data-parallel-size-local {local}")
+    return [(first, local) for first in range(local, n, local)]
+
+
+def config_digest(model_dir: str, config: EngineConfig, parallel: ParallelConfig) -> str:
+    """What every node of a multi-node group must agree on: the model's configuration, the
+    engine's, and the group's geometry (node-local fields left out)."""
+    from engine.config import ModelConfig
+
+    group = dataclasses.replace(parallel, data_parallel_start_rank=0, headless=False)
+    text = b"|".join([repr(ModelConfig.from_model_dir(model_dir)).encode(), config.to_json(), group.to_json()])
+    return hashlib.sha256(text).hexdigest()
 
 
 def worker_device(device: str, rank: int) -> str | None:

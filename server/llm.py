@@ -20,7 +20,7 @@ import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, ParallelConfig
 from ipc.codec import InvalidField, check
 from ipc.loop import new_event_loop
 from ipc.messages import SamplingParams
@@ -45,7 +45,9 @@ class RequestOutput:
 
 class LLM:
     def __init__(self, model: str | Path | None = None, dp: int = 1, device: str = "cpu",
-                 threads_per_worker: int | None = None, **engine_args):
+                 threads_per_worker: int | None = None, parallel: ParallelConfig | None = None, **engine_args):
+        """`dp` ranks replicate the model; for expert parallelism pass a ParallelConfig
+        (`ParallelConfig(data_parallel_size=2, enable_expert_parallel=True)`), as the CLI does."""
         from server.builtin import builtin_model_dir
         from server.tokenizer import Tokenizer
 
@@ -56,8 +58,8 @@ class LLM:
         self.config = EngineConfig(**engine_args).resolved()
         has_tokenizer = (self.model_dir / "tokenizer.json").exists()
         self.tokenizer = Tokenizer.from_dir(self.model_dir) if has_tokenizer else None
-        self.client = EngineClient(self.model_dir, self.config, dp=dp, device=device,
-                                   threads_per_worker=threads_per_worker)
+        self.client = EngineClient(self.model_dir, self.config, device=device, threads_per_worker=threads_per_worker,
+                                   parallel=parallel or ParallelConfig(data_parallel_size=dp))
         self._loop = new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="ringserve-llm", daemon=True)
         self._thread.start()

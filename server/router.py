@@ -14,6 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+class NoRankAlive(RuntimeError):
+    """Every rank is dead: nothing can take a request until the server restarts."""
+
+
 @dataclass
 class _Owed:
     prefill: int
@@ -61,7 +65,7 @@ class DPRouter:
     def pick(self, session: str | None = None) -> int:
         alive = [i for i, r in enumerate(self.ranks) if r.alive]
         if not alive:
-            raise RuntimeError("no worker is alive")
+            raise NoRankAlive("no worker is alive")
         if session is not None:
             rank = self.sessions.get(session)
             if rank is not None and self.ranks[rank].alive:

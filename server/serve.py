@@ -62,15 +62,42 @@ def cmd_serve(args: argparse.Namespace) -> int:
     loop = new_event_loop()
     asyncio.set_event_loop(loop)
     try:
-        return loop.run_until_complete(serve(args))
+        return loop.run_until_complete(serve_headless(args) if args.headless else serve(args))
     finally:
         loop.close()
+
+
+async def serve_headless(args: argparse.Namespace) -> int:
+    """A node other than the head: join it, run this node's ranks, relay their messages."""
+    from server.builtin import builtin_model_dir
+    from server.cli import engine_config_from, parallel_config_from
+    from server.node import HeadlessNode
+
+    model_dir = Path(args.model_dir) if args.model_dir else builtin_model_dir()
+    parallel = parallel_config_from(args)
+    node = HeadlessNode(model_dir, engine_config_from(args).resolved(), parallel, device=args.device,
+                        threads_per_worker=args.threads_per_worker)
+    ranks = f"ranks {parallel.local_ranks.start}-{parallel.local_ranks.stop - 1}"
+    head = f"{parallel.data_parallel_address}:{parallel.data_parallel_rpc_port}"
+    feeder = WatchdogFeeder(lambda: node.healthy)
+    node.on_ready.append(lambda: (systemd.notify_ready(f"{ranks} ready, head {head}"),
+                                  print(f"ringserve headless node: {ranks} of {parallel.data_parallel_size} ready "
+                                        f"(head {head})", flush=True)))
+    feeder.start()
+    try:
+        code = await node.run()  # a node that cannot join raises NodeError (one line)
+    finally:
+        await feeder.stop()
+    systemd.notify_stopping("node stopped")
+    if code:
+        logger.error("headless node stopped: %s", node.failure or "a rank exited")
+    return code
 
 
 async def serve(args: argparse.Namespace) -> int:
     from engine.config import ModelConfig
     from server.builtin import builtin_model_dir
-    from server.cli import engine_config_from
+    from server.cli import engine_config_from, parallel_config_from
     from server.engine_client import EngineClient
     from server.tokenizer import Tokenizer
 
@@ -79,8 +106,9 @@ async def serve(args: argparse.Namespace) -> int:
     tokenizer = Tokenizer.from_dir(model_dir)
     config = engine_config_from(args).resolved()
     name = args.served_model_name or (model_dir.name if args.model_dir else "ringserve-builtin")
-    client = EngineClient(model_dir, config, dp=args.dp, device=args.device, threads_per_worker=args.threads_per_worker,
-                          stuck_after_s=args.watchdog_timeout, liveness_timeout_s=args.worker_liveness_timeout)
+    client = EngineClient(model_dir, config, device=args.device, threads_per_worker=args.threads_per_worker,
+                          stuck_after_s=args.watchdog_timeout, liveness_timeout_s=args.worker_liveness_timeout,
+                          parallel=parallel_config_from(args))
     await client.start()
     limits = Limits(max_body_bytes=args.max_request_bytes)
     state = AppState(client, tokenizer, [name], model_cfg.vocab_size, client.max_model_len, limits=limits,

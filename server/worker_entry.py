@@ -1,22 +1,86 @@
-"""A worker process's entry point: SIGINT ignored and its device chosen before anything heavy loads.
+"""Worker processes: how the server starts one, and the child's first instructions.
 
-A terminal's Ctrl-C reaches the whole process group; stopping the workers is the server's job
-(it drains, then sends Shutdown), so a worker must not die of that SIGINT, not even while it is
-still importing torch. This module imports nothing at load time so the spawned child reaches
-`signal.signal` within milliseconds of starting. `CUDA_VISIBLE_DEVICES` is set here too, before
-torch initialises CUDA, so that each rank sees exactly its own GPU (as cuda:0).
+The server starts `python -m server.worker_entry` with one JSON argument (`WorkerArgs`): plain
+values the server wrote itself, decoded into a typed Struct (no object serialization). It watches the child through a pidfd
+(readable the moment the child exits), so a death is seen within milliseconds.
+
+In the child, SIGINT is ignored and the device chosen before anything heavy is imported: a
+terminal's Ctrl-C reaches the whole process group, and stopping the workers is the server's job
+(it drains, then sends Shutdown), so a worker must not die of that SIGINT, not even while still
+importing torch; `CUDA_VISIBLE_DEVICES` is set before torch initialises CUDA, so that each rank
+sees exactly its own GPU (as cuda:0).
 """
+
+from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+
+import msgspec
 
 
-def run_worker(rank: int, model_dir: str, config_json: str, request_ring: str, control_ring: str,
-               output_ring: str, status_ring: str, num_threads: int, device: str, visible_device: str | None) -> None:
+class WorkerArgs(msgspec.Struct, frozen=True):
+    rank: int
+    model_dir: str
+    engine_config: str  # EngineConfig JSON
+    parallel_config: str  # ParallelConfig JSON
+    request_ring: str
+    control_ring: str
+    output_ring: str
+    status_ring: str
+    num_threads: int
+    device: str
+    visible_device: str | None = None
+    # The group's rendezvous (expert parallelism): the head's store and this start's generation.
+    master_port: int = 0
+    generation: str = ""
+
+
+class WorkerProcess:
+    """One started worker: its pid, a pollable exit fd (`sentinel`) and the usual controls."""
+
+    def __init__(self, args: WorkerArgs, env: dict[str, str] | None = None):
+        cmd = [sys.executable, "-m", "server.worker_entry", msgspec.json.encode(args).decode()]
+        self._popen = subprocess.Popen(cmd, env=env, close_fds=True)
+        self.pid = self._popen.pid
+        self.sentinel = os.pidfd_open(self.pid)  # readable once the child exits
+
+    @property
+    def exitcode(self) -> int | None:
+        return self._popen.poll()
+
+    def is_alive(self) -> bool:
+        return self._popen.poll() is None
+
+    def kill(self) -> None:
+        if self.is_alive():
+            self._popen.kill()
+
+    def join(self, timeout: float | None = None) -> None:
+        try:
+            self._popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def close(self) -> None:
+        if self.sentinel >= 0:
+            os.close(self.sentinel)
+            self.sentinel = -1
+
+
+def main(argv: list[str]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if visible_device is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = visible_device
+    args = msgspec.json.decode(argv[1], type=WorkerArgs)
+    device = args.device
+    if args.visible_device is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = args.visible_device
         device = "cuda:0"
     from engine.worker_process import worker_main
 
-    worker_main(rank, model_dir, config_json, request_ring, control_ring, output_ring, status_ring, num_threads, device)
+    worker_main(args, device)
+
+
+if __name__ == "__main__":
+    main(sys.argv)

@@ -51,9 +51,10 @@ class Server:
         raise RuntimeError(f"server not ready: {self.output()}")
 
     def output(self) -> str:
-        self.log.flush()
-        self.log.seek(0)
-        return self.log.read()
+        if not self.log.closed:
+            self.log.flush()
+        with open(self.log.name) as f:  # also after stop() closed our handle
+            return f.read()
 
     def get(self, path: str, key: str | None = None) -> tuple[int, dict]:
         req = urllib.request.Request(self.url + path)
@@ -91,11 +92,42 @@ def children(pid: int) -> list[int]:
 
 
 def workers(pid: int) -> list[int]:
-    """Worker processes of the server (spawned children, not multiprocessing's resource tracker),
+    """Worker processes of the server (its `python -m server.worker_entry` children),
     in rank order (they are started in it)."""
     found = []
     for child in sorted(children(pid)):
         with open(f"/proc/{child}/cmdline", "rb") as f:
-            if b"spawn_main" in f.read():
+            if b"server.worker_entry" in f.read():
                 found.append(child)
     return found
+
+
+class Node:
+    """A real `ringserve serve --headless` subprocess (a node other than the head)."""
+
+    def __init__(self, model_dir: Path, *args: str, log_name: str = "node"):
+        cmd = [sys.executable, "-m", "server.cli", "serve", str(model_dir), "--headless", "--kv-cache-memory", "0.05",
+               "--block-size", "16", "--threads-per-worker", "1", *args]
+        self.log = open(model_dir.parent / f"{log_name}-{free_port()}.log", "w+")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def output(self) -> str:
+        if not self.log.closed:
+            self.log.flush()
+        with open(self.log.name) as f:  # also after stop() closed our handle
+            return f.read()
+
+    def wait(self, timeout: float = 60) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            raise
+
+    def stop(self, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.wait(timeout)
+        finally:
+            self.log.close()

@@ -185,3 +185,33 @@ def test_killed_worker_ends_streams_with_the_cause(model_dir):
     error = json.loads(events[-2])["error"]
     assert finish == "error" and "worker rank 0 died" in error["message"] and error["type"] == "server_error"
     assert code == 1
+
+
+def test_a_killed_expert_parallel_rank_takes_the_whole_group_down(model_dir):
+    """kill -9 of one rank of an EP group mid-stream: the other fails in its next collective and
+    exits too, the stream ends with the cause, the server exits 1, nothing is left in /dev/shm."""
+    server = Server(model_dir, "--dp", "2", "--enable-expert-parallel")
+    try:
+        workers = _workers(server.proc.pid)
+        assert len(workers) == 2
+        req = urllib.request.Request(server.url + "/v1/completions", json.dumps(
+            {"prompt": "go", "max_tokens": 1000, "ignore_eos": True, "stream": True}).encode(), HEADERS)
+        events, t0 = [], None
+        with urllib.request.urlopen(req, timeout=60) as r:
+            for line in r:
+                if line.startswith(b"data: "):
+                    events.append(line[6:].strip())
+                    if len(events) == 2:
+                        t0 = time.monotonic()
+                        os.kill(workers[1], signal.SIGKILL)
+        code = _exit_code(server)
+        took = time.monotonic() - t0
+        log = server.output()
+    finally:
+        server.stop()
+    assert code == 1, log
+    assert took < 30, took  # within the collective timeout; in practice the peer's socket closes at once
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in workers)
+    error = json.loads(events[-2])["error"]
+    assert events[-1] == b"[DONE]" and "died" in error["message"], events[-3:]
+    assert not _segments_of(server.proc.pid)

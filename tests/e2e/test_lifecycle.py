@@ -202,6 +202,14 @@ def test_systemd_unit_verifies(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "server.cli", "systemd-unit", "--", "--port", "x"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0
+    node = subprocess.run([sys.executable, "-m", "server.cli", "systemd-unit", "--role", "headless", "--", "--dp", "4",
+                           "--data-parallel-size-local", "2", "--data-parallel-start-rank", "2",
+                           "--enable-expert-parallel"], capture_output=True, text=True, timeout=60)
+    assert node.returncode == 0 and "ringserve-node.service" in node.stdout, node.stderr
+    assert " serve --dp 4" in node.stdout and node.stdout.rstrip().count("--headless") == 1
+    mismatch = subprocess.run([sys.executable, "-m", "server.cli", "systemd-unit", "--role", "head", "--", "--dp", "2"],
+                              capture_output=True, text=True, timeout=60)
+    assert mismatch.returncode == 2 and "does not match" in mismatch.stderr
 
 
 def test_broken_checkpoint_fails_fast_with_one_line(model_dir, tmp_path):

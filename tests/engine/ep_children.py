@@ -198,8 +198,8 @@ def check_grouped_mm(case: Case, rank: int, world_size: int) -> dict:
     cfg = dataclasses.replace(preset_config("tiny"), n_routed_experts=case.experts, num_experts_per_tok=case.top_k,
                               hidden_size=case.hidden, moe_intermediate_size=case.inter, swiglu_limit=LIMIT)
     moe = MoE(cfg, hash_routing=False)
-    moe.w13.data.copy_(w13)
-    moe.w2.data.copy_(w2)
+    moe.experts.w13.weight.data.copy_(w13)
+    moe.experts.w2.weight.data.copy_(w2)
     with torch.no_grad():
         want = moe._experts(x, weights, ids)
     layout = SlotLayout(case.experts, world_size)

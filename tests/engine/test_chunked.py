@@ -81,3 +81,19 @@ def test_rewind_discards_speculative_tokens(model):
         pos += n
     want = full[[p - 1 for p in (6, 11, 20, 24, 33)]]
     assert (torch.cat(outs) - want).abs().max().item() <= 1e-5
+
+
+@torch.no_grad()
+def test_a_zero_token_step_runs_every_layer(model):
+    """What an idle rank runs under expert parallelism (a dummy batch): the model and the MTP
+    layer over zero tokens, through every layer, touching no state."""
+    from engine.attention_backend import SequenceStep
+
+    before = model.layers_run
+    step = SequenceStep([], model.device)
+    streams, logits = step.run(model, [])
+    assert streams.shape == (0, model.cfg.hc_mult, model.cfg.hidden_size) and logits is None
+    assert model.layers_run == before + model.cfg.num_layers
+    if len(model.mtp):
+        out, _ = step.run(model, [], inputs=streams)
+        assert out.shape == streams.shape

@@ -11,15 +11,31 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.config import ConfigError
+from engine.linear import QuantWeight
 from engine.weight_names import export_names
 from engine.weights import WeightLoadError, load_model
+from kernels import reference
 
 
 def _hf_name(internal: str, num_experts: int) -> str:
     return export_names(internal, "transformers", num_experts)[0][0]
 
 
-def test_fp8_fp4_checkpoint_decodes_exactly_like_transformers(checkpoint_factory):
+def _dense_values(model) -> dict[str, torch.Tensor]:
+    """Internal weight name → fp32 values; quantized containers decoded by the kernel reference."""
+    out = {name: value.float() for name, value in model.state_dict().items()}
+    for path, module in model.named_modules():
+        if isinstance(module, QuantWeight) and module.fmt.quantized:
+            w, s, block = module.weight, module.scale, module.fmt.block
+            decoded = (reference.dequantize_fp8_weight(w, s, block) if module.fmt.kind == "fp8"
+                       else reference.dequantize_fp4_weight(w, s, block[1]))
+            out[f"{path}.weight"] = decoded
+            del out[f"{path}.scale"]
+    return out
+
+
+@pytest.mark.parametrize("weight_dtype", ["bf16", "auto"])
+def test_fp8_fp4_checkpoint_decodes_exactly_like_transformers(checkpoint_factory, weight_dtype):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     path = checkpoint_factory("tiny-fp8-fp4", dtype=torch.bfloat16, quantize="fp8-fp4", index_topk=64)
@@ -27,14 +43,16 @@ def test_fp8_fp4_checkpoint_decodes_exactly_like_transformers(checkpoint_factory
     stored = load_file(str(path / "model.safetensors"))
     assert stored["layers.1.attn.wq_a.weight"].dtype == torch.float8_e4m3fn
     assert stored["layers.1.ffn.experts.0.w1.weight"].dtype == torch.int8
-    ours = load_model(path, dtype=torch.float32, progress=False)
+    ours = load_model(path, dtype=torch.float32, progress=False, weight_dtype=weight_dtype)
+    # bf16 decodes at load; auto keeps the stored codes, whose decode must give the same values.
+    assert (ours.layers[1].attn.wq_a.fmt.kind == "fp8") == (weight_dtype == "auto")
     ref = transformers.DeepseekV4ForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
     compared = 0
-    for name, value in ours.state_dict().items():
+    for name, value in _dense_values(ours).items():
         if name.startswith("mtp."):
             continue  # transformers drops MTP weights
         expected = ref[_hf_name(name, ours.cfg.n_routed_experts)]
-        assert torch.equal(value.float(), expected.float()), name
+        assert torch.equal(value, expected.float()), name
         compared += 1
     assert compared == len(ref)
 
@@ -46,7 +64,7 @@ def test_both_layouts_load_to_the_same_weights(checkpoint_factory):
     sa, sb = a.state_dict(), b.state_dict()
     assert sa.keys() == sb.keys()
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
-    assert a.layers[0].ffn.w13.dtype == torch.bfloat16 and a.layers[0].attn_norm.dtype == torch.float32
+    assert a.layers[0].ffn.experts.w13.weight.dtype == torch.bfloat16 and a.layers[0].attn_norm.dtype == torch.float32
 
 
 @pytest.fixture

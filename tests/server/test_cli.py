@@ -139,7 +139,7 @@ def test_ctrl_c_during_dp_generate_stops_workers_cleanly(tiny_dir, tmp_path):
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and proc.poll() is None:
-            out = subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "spawn_main"], capture_output=True, text=True)
+            out = subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "server.worker_entry"], capture_output=True, text=True)
             if len(out.stdout.split()) == 2:
                 break
             time.sleep(0.2)
@@ -153,7 +153,7 @@ def test_ctrl_c_during_dp_generate_stops_workers_cleanly(tiny_dir, tmp_path):
     # The last line says why; nothing else but start-up notices (e.g. orphaned rings of an
     # earlier crash being removed) may precede it, and no traceback.
     assert err.strip().splitlines()[-1] == "ringserve: interrupted" and "Traceback" not in err, err
-    deadline = time.monotonic() + 10  # multiprocessing's resource tracker exits once it sees EOF
+    deadline = time.monotonic() + 10  # the workers exit once stopped
     while subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True).stdout and time.monotonic() < deadline:
         time.sleep(0.1)
     left = subprocess.run(["pgrep", "-a", "-g", str(proc.pid)], capture_output=True, text=True).stdout

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import multiprocessing
 import os
 import signal
 import subprocess
@@ -29,6 +28,12 @@ def model_dir(checkpoint_factory):
     if not (path / "tokenizer.json").exists():
         write_tokenizer(path, 512)
     return path
+
+
+def _worker_children() -> list[str]:
+    out = subprocess.run(["pgrep", "-P", str(os.getpid()), "-f", "server.worker_entry"], capture_output=True,
+                         text=True).stdout
+    return out.split()
 
 
 def _run(coro):
@@ -81,7 +86,7 @@ def test_killed_worker_fails_only_its_requests_and_shutdown_leaves_nothing(model
             victim = client.ranks[0]
             on_victim = set(victim.inflight)
             assert on_victim and len(on_victim) < 4
-            os.kill(victim.process.pid, signal.SIGKILL)
+            os.kill(victim.link.process.pid, signal.SIGKILL)
             await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
             for i in range(4):
                 reason, error, n = results[i]
@@ -95,7 +100,7 @@ def test_killed_worker_fails_only_its_requests_and_shutdown_leaves_nothing(model
 
     _run(scenario())
     assert not [n for n in list_segments() if n.startswith(f"rsring-{os.getpid()}-")]
-    assert not multiprocessing.active_children()
+    assert not _worker_children()
 
 
 def test_watchdog_names_a_stuck_rank(model_dir):
@@ -103,7 +108,7 @@ def test_watchdog_names_a_stuck_rank(model_dir):
         client = EngineClient(model_dir, _config(), dp=1, threads_per_worker=1, stuck_after_s=1.0,
                               liveness_timeout_s=1.0)
         await client.start()
-        pid = client.ranks[0].process.pid
+        pid = client.ranks[0].link.process.pid
         try:
             await asyncio.sleep(0.6)  # a heartbeat or two
             os.kill(pid, signal.SIGSTOP)  # a rank that stops answering mid-run
@@ -158,7 +163,7 @@ def test_heartbeats_come_from_their_own_thread_during_a_long_step():
         manager=SimpleNamespace(full=SimpleNamespace(num_used=1, num_blocks=9))),
         stats=SimpleNamespace(spec_drafts=0, spec_draft_tokens=0, spec_accepted_per_position=[]))
     worker = SimpleNamespace(engine=engine, stats=SimpleNamespace(steps=4, max_loop_pause_s=0.0),
-                             step_started_at=time.time())
+                             step_started_at=time.time(), lockstep=None)
     reader = RingReader.create(RingConfig(slot_bytes=4096, num_slots=64))
     writer = RingWriter.attach(reader.name)
     beats = HeartbeatThread(0, worker, writer, interval_s=0.02)
@@ -173,6 +178,7 @@ def test_heartbeats_come_from_their_own_thread_during_a_long_step():
                 pass
             while (data := reader.poll()) is not None:
                 seen.append(decode(data).progress)
+        assert beats.failure is None
         assert len(set(seen)) >= 4 and seen == sorted(seen)
     finally:
         beats.stop()

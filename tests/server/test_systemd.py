@@ -266,3 +266,15 @@ def test_systemd_analyze_verify(tmp_path):
     if proc.returncode != 0 and not ours:
         pytest.skip(f"systemd-analyze cannot run in this container: {proc.stderr.strip()[:200]}")
     assert proc.returncode == 0 and ours == [], proc.stdout + proc.stderr
+
+
+def test_unit_roles_of_a_multi_node_group():
+    head = _unit(serve_args=["--dp", "4", "--data-parallel-size-local", "2"], role="head")
+    node = _unit(serve_args=["--headless", "--data-parallel-start-rank", "2"], role="headless")
+    assert "ringserve-head.service" in head and "head node" in _directives(head)["Description"][0]
+    assert "ringserve-node.service" in node and "headless node" in _directives(node)["Description"][0]
+    for unit in (head, node):  # every node restarts on its own; the group re-forms under a new generation
+        assert _directives(unit)["Restart"] == ["on-failure"] and "GLOO_SOCKET_IFNAME" in unit
+    assert "GLOO_SOCKET_IFNAME" not in _unit()
+    with pytest.raises(ValueError):
+        _unit(role="worker")

@@ -1,0 +1,112 @@
+"""A worker's share of the routed experts under expert parallelism, and keeping it balanced.
+
+Before loading, `initial_placement` says which logical experts each rank's MoE layers hold
+(E/N slots plus R/N redundant ones per rank; the model's layers, then its MTP layers), and
+`experts_to_load` turns that into `load_model(experts=...)`, so each rank reads only its share.
+After loading, `ExpertParallel` wires every MoE layer to an `ExpertParallelMoE` (dispatch to the
+ranks that own a token's experts, local grouped GEMMs, combine) over the group's all-to-all.
+
+EPLB: every MoE layer counts its tokens per logical expert; `rebalance()` (called by every rank
+at the same step) sums the counts over the group, computes DeepSeek's placement for them, moves
+expert weights between ranks for the slots that changed, and switches every layer to the new
+maps. Output does not change: every replica of an expert holds the same weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from . import eplb
+from .all2all import NaiveAllGather, PaddedA2A, SlotLayout, TorchA2A
+from .config import ModelConfig, ParallelConfig
+from .ep_moe import ExpertParallelMoE
+
+logger = logging.getLogger(__name__)
+
+
+def moe_layer_ids(cfg: ModelConfig, num_mtp: int) -> list[int]:
+    """Placement layer index of every MoE layer: the model's, then its MTP layers'."""
+    return list(range(cfg.num_layers + num_mtp))
+
+
+def initial_placement(cfg: ModelConfig, num_mtp: int, parallel: ParallelConfig) -> eplb.Placement:
+    """Identity placement, or with redundant experts the EPLB placement of a uniform load
+    (redundant replicas spread over the experts in order)."""
+    layers, n = len(moe_layer_ids(cfg, num_mtp)), parallel.data_parallel_size
+    r = parallel.num_redundant_experts
+    if (cfg.n_routed_experts + r) % n:
+        raise ValueError(f"{cfg.n_routed_experts} experts + {r} redundant do not split over {n} ranks")
+    if r == 0:
+        return eplb.identity_placement(layers, cfg.n_routed_experts, n)
+    return eplb.rebalance(np.ones((layers, cfg.n_routed_experts)), n, r)
+
+
+def experts_to_load(placement: eplb.Placement, rank: int) -> dict[int, list[int]]:
+    """load_model's `experts`: layer → the logical experts of this rank's slots, in slot order."""
+    return {layer: placement.local_experts(layer, rank).tolist() for layer in range(placement.num_layers)}
+
+
+class ExpertParallel:
+    """The expert-parallel side of one rank's model: per-layer dispatch and EPLB."""
+
+    def __init__(self, model, group, parallel: ParallelConfig, placement: eplb.Placement,
+                 max_tokens_per_step: int):
+        self.model, self.group, self.parallel, self.placement = model, group, parallel, placement
+        self.rank = group.rank
+        layout = SlotLayout(placement.num_physical, group.world_size)
+        self.a2a = _backend(parallel.all2all_backend, layout, group.group,
+                            capacity=max_tokens_per_step * model.cfg.num_experts_per_tok)
+        self.layers = [_moe_of(model, layer) for layer in range(placement.num_layers)]
+        self.dispatchers: list[ExpertParallelMoE] = []
+        for layer, moe in enumerate(self.layers):
+            maps = placement.layer_maps(layer, model.device)
+            ep = ExpertParallelMoE(self.a2a, moe.experts.local_experts, *maps)
+            moe.parallel = ep
+            self.dispatchers.append(ep)
+        self.last_imbalance: list[float] = [1.0] * placement.num_layers  # per layer, of the last window
+        self.rebalances = 0
+
+    def rebalance(self, move_weights: bool) -> tuple[list[float], list[float]]:
+        """Sum the group's expert loads since the last call; with `move_weights`, adopt the
+        EPLB placement for them. Every rank calls this at the same step (collectives).
+        Returns the per-layer imbalance (max / mean of per-rank expert tokens) of the window's
+        load under the placement that served it and under the one in force now."""
+        load = torch.stack([ep.take_load().cpu() for ep in self.dispatchers])  # [L, E]
+        total = eplb.all_reduce_load(load, self.group.cpu_group)
+        before = eplb.imbalance(total, self.placement)
+        self.last_imbalance = before.tolist()  # observed: the window ran under the old placement
+        if not move_weights or total.sum() == 0:
+            return before.tolist(), before.tolist()
+        t0 = time.perf_counter()
+        new = eplb.rebalance(total, self.placement.num_ranks, self.parallel.num_redundant_experts)
+        plan = eplb.migration_plan(self.placement, new)
+        for layer, (moe, ep) in enumerate(zip(self.layers, self.dispatchers)):
+            tensors = eplb.migrate_expert_weights(moe.experts.state_dict(), plan, layer, new.slots_per_rank,
+                                                  self.rank, self.group.group)
+            moe.experts.adopt(tensors, new.local_experts(layer, self.rank).tolist())
+            ep.set_placement(*new.layer_maps(layer, self.model.device))
+        self.placement = new
+        self.rebalances += 1
+        after = eplb.imbalance(total, new)  # what the same load would give under the new placement
+        logger.info("EPLB: rebalanced %d layers in %.2f s; imbalance %.3f -> %.3f (mean over layers)",
+                    len(self.layers), time.perf_counter() - t0, float(before.mean()), float(after.mean()))
+        return before.tolist(), after.tolist()
+
+
+def _moe_of(model, layer: int):
+    n = model.cfg.num_layers
+    return model.layers[layer].ffn if layer < n else model.mtp[layer - n].block.ffn
+
+
+def _backend(name: str, layout: SlotLayout, group, capacity: int):
+    if name == "all_to_all":
+        return TorchA2A(layout, group)
+    if name == "padded_all_to_all":
+        return PaddedA2A(layout, group, capacity=capacity)
+    if name == "allgather_reducescatter":
+        return NaiveAllGather(layout, group)
+    raise ValueError(f"unknown --all2all-backend {name!r}")

@@ -1,0 +1,272 @@
+"""Wire types of PD transfer, as msgspec Structs validated on decode (no pickle, no torch).
+
+Two vocabularies:
+  * `KVTransferParams`: the `kv_transfer_params` JSON object of the two-leg HTTP protocol (vLLM's
+    field names where the meaning is the same). Leg 1, proxy → prefill: `do_remote_decode`.
+    The prefill answers with `do_remote_prefill` and where its blocks are; leg 2 carries that
+    object, through the proxy, to the decode server.
+  * notifications between the two engines over NIXL: `KVRenew` (decode heartbeats while it waits
+    to READ) and `KVDone` (decode read the blocks, or gave up: the prefill frees them); and the
+    transport's own handshake (`Hello`, `HelloReply`, `Bye`), framed with a magic prefix that
+    can never start a msgpack message, so the transport tells them apart without decoding.
+
+Everything here arrives from another machine or from an HTTP client: decoding checks every
+field's type and limit and the cross-field invariants (`__post_init__`), and refuses anything
+else with `ProtocolError` naming the field. Nothing decoded here sizes an allocation by itself:
+`check_for_decode` compares the sizes a prefill claims with the ones the decode server derives
+from its own prompt and layout (reliability.md: "transfer metadata never comes from clients").
+`sign` / `verify` add an optional HMAC over the params with a key the two engines share, so a
+client that talks to the decode server directly cannot forge block ids or digests.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import math
+from typing import Annotated, Any, Literal, Union
+
+import msgspec
+from msgspec import Meta, Struct
+
+GROUPS = ("full", "sliding")  # order of the per-group lists in KVTransferParams
+DIGEST_ALG = "crc32c"
+MAX_BLOCKS_PER_GROUP = 1 << 16  # 16 M tokens at block size 256
+MAX_TOKENS = 1 << 24
+MAX_IDS_PER_NOTIFICATION = 1024
+MAX_REGIONS = 256
+MAX_TENSORS_PER_REGION = 1024
+MAX_DESCRIPTORS = 1 << 26  # bounds what a peer's geometry can make us prepare
+MAX_NOTIFICATION_BYTES = 1 << 20
+HANDSHAKE_MAGIC = b"\xc1RSKV"  # 0xc1 is never used by msgpack: app notifications cannot collide
+HANDSHAKE_VERSION = 1
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@-]*$"  # engine ids, request ids, region names
+EngineId = Annotated[str, Meta(min_length=1, max_length=128, pattern=NAME_PATTERN)]
+TransferId = Annotated[str, Meta(min_length=1, max_length=128, pattern=NAME_PATTERN)]
+Host = Annotated[str, Meta(min_length=1, max_length=255, pattern=r"^[A-Za-z0-9.:\[\]-]+$")]
+Port = Annotated[int, Meta(ge=1, le=65535)]
+BlockId = Annotated[int, Meta(ge=1, le=2**31 - 1)]  # block 0 is every pool's dummy block
+Digest = Annotated[int, Meta(ge=0, le=2**32 - 1)]
+HexHash = Annotated[str, Meta(pattern=r"^[0-9a-f]{64}$")]
+Nonce = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+Reason = Annotated[str, Meta(max_length=512)]
+BlockList = Annotated[list[BlockId], Meta(max_length=MAX_BLOCKS_PER_GROUP)]
+DigestList = Annotated[list[Digest], Meta(max_length=MAX_BLOCKS_PER_GROUP)]
+IdList = Annotated[list[TransferId], Meta(min_length=1, max_length=MAX_IDS_PER_NOTIFICATION)]
+
+
+class ProtocolError(ValueError):
+    """Transfer metadata or a notification that does not decode or does not add up."""
+
+
+# ---- kv_transfer_params ---------------------------------------------------------------------
+class KVTransferParams(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """`kv_transfer_params` of either leg. The remote_* fields stay None on leg 1 (vLLM's toy
+    proxy sends them as null); on leg 2 they are all required."""
+
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    remote_engine_id: EngineId | None = None  # the prefill's NIXL agent name
+    remote_block_ids: Annotated[list[BlockList], Meta(max_length=len(GROUPS))] | None = None  # per GROUPS
+    remote_host: Host | None = None  # the prefill's NIXL metadata listener
+    remote_port: Port | None = None
+    remote_request_id: TransferId | None = None  # the prefill's lease key
+    remote_blocks_expiry_time: Annotated[float, Meta(ge=0.0)] | None = None  # unix seconds
+    tp_size: Annotated[int, Meta(ge=1, le=1)] = 1  # ringserve ranks are TP 1
+    # ringserve's own fields
+    remote_num_tokens: Annotated[int, Meta(ge=1, le=MAX_TOKENS)] | None = None  # prompt tokens held
+    remote_sliding_first: Annotated[int, Meta(ge=0, le=MAX_TOKENS)] | None = None  # logical block of sliding[0]
+    block_digests: Annotated[list[DigestList], Meta(max_length=len(GROUPS))] | None = None
+    digest_alg: Literal["crc32c"] = DIGEST_ALG
+    compat_hash: HexHash | None = None
+    params_mac: HexHash | None = None
+
+    def __post_init__(self) -> None:
+        if self.do_remote_decode and self.do_remote_prefill:
+            raise ValueError("do_remote_decode and do_remote_prefill are exclusive")
+        leg2 = ("remote_engine_id", "remote_block_ids", "remote_host", "remote_port", "remote_request_id",
+                "remote_blocks_expiry_time", "remote_num_tokens", "remote_sliding_first", "block_digests",
+                "compat_hash")
+        if not self.do_remote_prefill:
+            given = [f for f in leg2 if getattr(self, f) is not None]
+            if given:  # leg 1 / plain requests: a client never supplies where blocks are
+                raise ValueError(f"{given[0]} is only valid with do_remote_prefill")
+            return
+        missing = [f for f in leg2 if getattr(self, f) is None]
+        if missing:
+            raise ValueError(f"do_remote_prefill needs {missing[0]}")
+        if len(self.remote_block_ids) != len(GROUPS) or len(self.block_digests) != len(GROUPS):
+            raise ValueError(f"remote_block_ids and block_digests need one list per group {GROUPS}")
+        for group, ids, digests in zip(GROUPS, self.remote_block_ids, self.block_digests):
+            if len(ids) != len(digests):
+                raise ValueError(f"group {group}: {len(ids)} block ids but {len(digests)} digests")
+            if len(set(ids)) != len(ids):
+                raise ValueError(f"group {group}: duplicate block ids")
+        if not math.isfinite(self.remote_blocks_expiry_time):
+            raise ValueError("remote_blocks_expiry_time must be finite")
+
+    def group_blocks(self, group: str) -> tuple[list[int], list[int]]:
+        """(remote block ids, digests) of one group."""
+        i = GROUPS.index(group)
+        return self.remote_block_ids[i], self.block_digests[i]
+
+
+def parse_params(obj: Any) -> KVTransferParams:
+    """The request body's `kv_transfer_params` (already JSON-decoded), validated; ProtocolError
+    naming the field otherwise."""
+    try:
+        return msgspec.convert(obj, KVTransferParams)
+    except msgspec.ValidationError as exc:
+        raise ProtocolError(f"kv_transfer_params: {exc}") from None
+
+
+def params_to_json(params: KVTransferParams) -> dict[str, Any]:
+    """Plain JSON-able dict for an HTTP response (defaults omitted)."""
+    return msgspec.to_builtins(params)
+
+
+def _mac(params: KVTransferParams, key: bytes) -> str:
+    body = msgspec.msgpack.encode(msgspec.structs.replace(params, params_mac=None))
+    return hmac.new(key, b"ringserve-kv-params/1" + body, hashlib.sha256).hexdigest()
+
+
+def sign(params: KVTransferParams, key: bytes) -> KVTransferParams:
+    """The params with `params_mac` set: HMAC-SHA256 under the key both engines share."""
+    return msgspec.structs.replace(params, params_mac=_mac(params, key))
+
+
+def verify(params: KVTransferParams, key: bytes) -> None:
+    """ProtocolError unless `params_mac` is the MAC of these params under `key`."""
+    if params.params_mac is None:
+        raise ProtocolError("kv_transfer_params: params_mac is required")
+    if not hmac.compare_digest(params.params_mac, _mac(params, key)):
+        raise ProtocolError("kv_transfer_params: params_mac does not match (forged or altered)")
+
+
+def expected_blocks(num_tokens: int, block_size: int, sliding_keep: int) -> dict[str, tuple[int, int]]:
+    """Logical blocks [first, end) a decode server needs per group to continue after
+    `num_tokens` prompt tokens: every full-group block, and the sliding blocks that overlap the
+    trailing `sliding_keep` positions (what BlockManager keeps readable)."""
+    end = -(-num_tokens // block_size)
+    return {"full": (0, end), "sliding": (max(0, num_tokens - sliding_keep) // block_size, end)}
+
+
+def check_for_decode(params: KVTransferParams, *, num_prompt_tokens: int, block_size: int, sliding_keep: int,
+                     compat_hash: str, now: float) -> dict[str, tuple[int, int]]:
+    """The gate before a decode server allocates anything for a remote prefill. Sizes come from
+    the decode's own prompt and layout; the params must agree with them exactly. Returns the
+    logical block range per group (the allocation to make); ProtocolError otherwise."""
+    if not params.do_remote_prefill:
+        raise ProtocolError("kv_transfer_params: not a remote prefill (do_remote_prefill is false)")
+    if params.compat_hash != compat_hash:
+        raise ProtocolError("kv_transfer_params: compat_hash differs from this engine's (other model or layout)")
+    if params.remote_num_tokens != num_prompt_tokens:
+        raise ProtocolError(f"kv_transfer_params: remote_num_tokens {params.remote_num_tokens} != "
+                            f"prompt length {num_prompt_tokens}")
+    if params.remote_blocks_expiry_time <= now:
+        raise ProtocolError("kv_transfer_params: the prefill's blocks already expired")
+    want = expected_blocks(num_prompt_tokens, block_size, sliding_keep)
+    for group, (first, end) in want.items():
+        ids, _ = params.group_blocks(group)
+        if len(ids) != end - first:
+            raise ProtocolError(f"kv_transfer_params: group {group} has {len(ids)} blocks, "
+                                f"{end - first} expected for {num_prompt_tokens} tokens")
+    if params.remote_sliding_first != want["sliding"][0]:
+        raise ProtocolError(f"kv_transfer_params: remote_sliding_first {params.remote_sliding_first} != "
+                            f"{want['sliding'][0]}")
+    return want
+
+
+# ---- notifications (engine ↔ engine over NIXL) ----------------------------------------------
+class KVRenew(Struct, frozen=True, array_like=True, tag=1):
+    """Decode → prefill heartbeat: still queued, keep these leases."""
+
+    request_ids: IdList
+
+
+class KVDone(Struct, frozen=True, array_like=True, tag=2):
+    """Decode → prefill: finished with these blocks (read and verified, or gave up); free them."""
+
+    request_ids: IdList
+    ok: bool = True
+    reason: Reason = ""
+
+
+Notification = Union[KVRenew, KVDone]
+_NOTIFY_ENCODER = msgspec.msgpack.Encoder()
+_NOTIFY_DECODER = msgspec.msgpack.Decoder(Notification)
+
+
+def encode_notification(msg: KVRenew | KVDone) -> bytes:
+    return _NOTIFY_ENCODER.encode(msg)
+
+
+def decode_notification(data: bytes) -> KVRenew | KVDone:
+    try:
+        return _NOTIFY_DECODER.decode(data)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ProtocolError(f"notification: {exc}") from None
+
+
+# ---- transport handshake --------------------------------------------------------------------
+class Hello(Struct, frozen=True, array_like=True, tag=1):
+    """Reader → server after it loaded the server's NIXL metadata (and sent its own)."""
+
+    version: Annotated[int, Meta(ge=1, le=2**16)]
+    compat_hash: HexHash
+    nonce: Nonce
+
+
+class RegionGeometry(Struct, frozen=True, array_like=True):
+    """Where one region's blocks are in the server's memory: tensor t, block b is
+    base_addrs[t] + b · block_bytes."""
+
+    name: Annotated[str, Meta(min_length=1, max_length=128, pattern=NAME_PATTERN)]
+    mem_type: Literal["DRAM", "VRAM"]
+    device_id: Annotated[int, Meta(ge=0, le=1024)]
+    block_bytes: Annotated[int, Meta(ge=1, le=2**31)]
+    num_blocks: Annotated[int, Meta(ge=1, le=2**31)]
+    base_addrs: Annotated[list[Annotated[int, Meta(ge=1)]], Meta(min_length=1,
+                                                                              max_length=MAX_TENSORS_PER_REGION)]
+
+
+class HelloReply(Struct, frozen=True, array_like=True, tag=2):
+    """Server → reader: accepted (with the geometry to READ from) or refused (with why)."""
+
+    nonce: Nonce
+    ok: bool
+    compat_hash: HexHash
+    reason: Reason = ""
+    regions: Annotated[list[RegionGeometry], Meta(max_length=MAX_REGIONS)] = []
+
+    def __post_init__(self) -> None:
+        total = sum(r.num_blocks * len(r.base_addrs) for r in self.regions)
+        if total > MAX_DESCRIPTORS:
+            raise ValueError(f"geometry of {total} descriptors exceeds {MAX_DESCRIPTORS}")
+        if len({r.name for r in self.regions}) != len(self.regions):
+            raise ValueError("duplicate region names")
+
+
+class Bye(Struct, frozen=True, array_like=True, tag=3):
+    """Either side closes: drop my metadata and forget me."""
+
+
+Handshake = Union[Hello, HelloReply, Bye]
+_HS_DECODER = msgspec.msgpack.Decoder(Handshake)
+
+
+def is_handshake(data: bytes) -> bool:
+    return data[: len(HANDSHAKE_MAGIC)] == HANDSHAKE_MAGIC
+
+
+def encode_handshake(msg: Hello | HelloReply | Bye) -> bytes:
+    return HANDSHAKE_MAGIC + _NOTIFY_ENCODER.encode(msg)
+
+
+def decode_handshake(data: bytes) -> Hello | HelloReply | Bye:
+    if not is_handshake(data):
+        raise ProtocolError("not a handshake message")
+    try:
+        return _HS_DECODER.decode(data[len(HANDSHAKE_MAGIC):])
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ProtocolError(f"handshake: {exc}") from None
