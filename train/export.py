@@ -23,7 +23,8 @@ from engine.weights import build_model
 from .v4 import MTPHead
 
 # MTP tensors outside its block: ringserve name (after `mtp.0.`) → MTPHead state-dict name.
-_MTP_OWN = {"enorm": "enorm.weight", "hnorm": "hnorm.weight", "e_proj": "e_proj.weight", "h_proj": "h_proj.weight",
+_MTP_OWN = {"enorm": "enorm.weight", "hnorm": "hnorm.weight", "e_proj.weight": "e_proj.weight",
+            "h_proj.weight": "h_proj.weight",
             "norm": "norm.weight", "hc_head.fn": "hc_head.hc_fn", "hc_head.base": "hc_head.hc_base",
             "hc_head.scale": "hc_head.hc_scale"}
 

@@ -19,6 +19,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import random
 import re
 import sys
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from . import bpe, corpus, evaluate, export, v4
+from . import bpe, corpus, evaluate, export, resume, v4
 from .geometry import GEOMETRIES, model_config
 
 logger = logging.getLogger("train")
@@ -40,7 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--deb", help=f"a downloaded {corpus.DOC_PACKAGE} .deb (default: apt-get download it)")
     src.add_argument("--html-dir", help="an extracted documentation tree instead of the .deb")
-    p.add_argument("--work-dir", default=None, help="where the .deb and the training log go (default: OUT_DIR/../train-work)")
+    p.add_argument("--work-dir", default=None,
+                   help="where the .deb and the training log go (default: ~/.cache/ringserve/train-work)")
     p.add_argument("--geometry", choices=sorted(GEOMETRIES), default="builtin")
     p.add_argument("--vocab-size", type=int, default=8192)
     p.add_argument("--steps", type=int, default=1000)
@@ -61,6 +63,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--export-dtype", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--eval-windows", type=int, default=200, help="held-out windows scored at the end (0 = all)")
     p.add_argument("--log-every", type=int, default=20)
+    p.add_argument("--checkpoint-every", type=int, default=50,
+                   help=f"save the training state (WORK_DIR/{resume.STATE_FILE}) every N steps (0 = never)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from WORK_DIR's saved training state when there is one (same arguments)")
     p.add_argument("--test-data-dir", default=None,
                    help="also write a held-out text sample and its word list here (the built-in's tests use them)")
 
@@ -141,8 +147,9 @@ def _batch(stream: torch.Tensor, args: argparse.Namespace, gen: torch.Generator)
     return torch.stack([stream[s: s + args.seq_len + 1] for s in starts.tolist()])  # [B, L+1]
 
 
-def train(lm, mtp, cfg, data: Data, args: argparse.Namespace, device: torch.device, log) -> dict:
-    """Fixed-step training; returns the last logged training losses and the wall time."""
+def train(lm, mtp, cfg, data: Data, args: argparse.Namespace, device: torch.device, log, work: Path) -> dict:
+    """Fixed-step training, saving its state every --checkpoint-every steps and continuing a
+    saved one with --resume; returns the last logged training losses and the wall time."""
     lm.train()
     mtp.train()
     probes = v4.Probes().attach(lm, mtp)
@@ -150,8 +157,14 @@ def train(lm, mtp, cfg, data: Data, args: argparse.Namespace, device: torch.devi
     indexer_params = v4.indexer_parameters(lm)
     gen = torch.Generator().manual_seed(args.seed)
     autocast = _precision(args, device)
-    t0, last, recent = time.perf_counter(), {}, []
-    for step in range(args.steps):
+    state_path, fp = work / resume.STATE_FILE, resume.fingerprint(args, data.tokenizer.to_str())
+    start, done_s, recent = 0, 0.0, []
+    if args.resume and state_path.exists():
+        state = resume.load(state_path, lm, mtp, opt, gen, fp)
+        start, done_s, recent = state.step, state.elapsed_s, list(state.recent)
+        log({"resumed_at_step": start})
+    t0, last = time.perf_counter() - done_s, {}
+    for step in range(start, args.steps):
         for group in opt.param_groups:
             group["lr"] = learning_rate(step, args)
         window = _batch(data.train_ids, args, gen).to(device)
@@ -175,6 +188,8 @@ def train(lm, mtp, cfg, data: Data, args: argparse.Namespace, device: torch.devi
                     "tokens_per_s": (step + 1) * args.batch_size * args.seq_len / elapsed}
             log(last)
             recent = []
+        if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0 and step + 1 < args.steps:
+            resume.save(state_path, lm, mtp, opt, gen, resume.State(step + 1, time.perf_counter() - t0, recent), fp)
     probes.detach_hooks()
     lm.eval()
     mtp.eval()
@@ -218,6 +233,11 @@ def evaluate_export(out: Path, data: Data, args: argparse.Namespace) -> dict:
     return report
 
 
+def _default_work_dir() -> Path:
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return Path(cache) / "ringserve" / "train-work"
+
+
 @dataclass
 class Result:
     recipe: dict  # what recipe.json holds
@@ -230,12 +250,12 @@ class Result:
 def run(args: argparse.Namespace, argv: list[str] | None = None) -> Result:
     """The whole recipe."""
     out = Path(args.out_dir)
-    work = Path(args.work_dir) if args.work_dir else out.parent / "train-work"
+    work = Path(args.work_dir) if args.work_dir else _default_work_dir()
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.threads)
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
-    log_file = (work / "train-log.jsonl").open("w")
+    log_file = (work / "train-log.jsonl").open("a" if args.resume else "w")
 
     def log(record: dict) -> None:
         logger.info("%s", record)
@@ -251,7 +271,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> Result:
     lm, mtp = v4.build(cfg, args.seed, counts)
     lm.to(device)
     mtp.to(device)
-    final = train(lm, mtp, cfg, data, args, device, log)
+    final = train(lm, mtp, cfg, data, args, device, log, work)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.export_dtype]
     export.export_checkpoint(out, cfg, lm.to("cpu"), mtp.to("cpu"), dtype=dtype)
     heldout = evaluate_export(out, data, args)

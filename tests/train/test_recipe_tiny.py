@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 
 import pytest
 import torch
@@ -13,7 +14,9 @@ import torch
 from engine.attention import SeqSlice, SequenceContext
 from engine.weights import load_model
 from server.tokenizer import Tokenizer
-from train import corpus, recipe, v4
+from safetensors.torch import load_file
+
+from train import corpus, recipe, resume, v4
 
 pytest.importorskip("transformers")
 
@@ -41,13 +44,37 @@ def _write_pages(root, n_pages: int = 10) -> None:
 def trained(tmp_path_factory):
     base = tmp_path_factory.mktemp("recipe")
     _write_pages(base / "html")
+    return recipe.run(_tiny_args(base, "model", "work"), []), base / "model"
+
+
+def _tiny_args(base, out: str, work: str, *extra: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     recipe.add_arguments(parser)
-    args = parser.parse_args([str(base / "model"), "--html-dir", str(base / "html"), "--geometry", "tiny",
+    return parser.parse_args([str(base / out), "--html-dir", str(base / "html"), "--work-dir", str(base / work),
+                              "--geometry", "tiny",
                               "--vocab-size", "600", "--steps", "12", "--batch-size", "2", "--seq-len", "32",
                               "--warmup", "3", "--log-every", "4", "--export-dtype", "fp32", "--eval-windows", "4",
-                              "--precision", "fp32", "--device", "cpu"])
-    return recipe.run(args, []), base / "model"
+                              "--precision", "fp32", "--device", "cpu", "--checkpoint-every", "5", *extra])
+
+
+def test_a_run_resumed_from_its_saved_state_ends_with_the_same_weights(trained):
+    result, path = trained
+    base = path.parent
+    state = base / "work" / resume.STATE_FILE  # saved at step 10 of 12 (not at the end)
+    (base / "work2").mkdir()
+    shutil.copy(state, base / "work2" / resume.STATE_FILE)
+    again = recipe.run(_tiny_args(base, "model2", "work2", "--resume"), [])
+    log = [json.loads(line) for line in (base / "work2" / "train-log.jsonl").read_text().splitlines()]
+    assert log[0] == {"resumed_at_step": 10} and [r["step"] for r in log if "step" in r] == [12]
+    first, second = load_file(path / "model.safetensors"), load_file(base / "model2" / "model.safetensors")
+    assert first.keys() == second.keys()
+    for name in first:
+        torch.testing.assert_close(second[name], first[name], rtol=0, atol=0, msg=name)
+    # A state is only continued by the run that wrote it.
+    other = resume.fingerprint(_tiny_args(base, "x", "y", "--lr", "1e-3"), result.data.tokenizer.to_str())
+    with pytest.raises(ValueError, match="other arguments"):
+        resume.load(state, again.lm, again.mtp, recipe._optimizer(again.lm, again.mtp, again.recipe and
+                    _tiny_args(base, "x", "y")), torch.Generator(), other)
 
 
 @torch.no_grad()
@@ -80,7 +107,7 @@ def test_recipe_json_records_the_run_and_both_scorers_agree(trained):
     ours, ref = saved["heldout"]["ringserve"], saved["heldout"]["transformers"]
     assert abs(ours["nats_per_token"] - ref["nats_per_token"]) <= 1e-4
     assert ours["tokens"] == ref["tokens"] == 4 * 32
-    steps = [json.loads(line) for line in (path.parent / "train-work" / "train-log.jsonl").read_text().splitlines()]
+    steps = [json.loads(line) for line in (path.parent / "work" / "train-log.jsonl").read_text().splitlines()]
     losses = [s["lm"] for s in steps if "lm" in s]
     assert len(losses) == 3 and losses[-1] < losses[0]  # it learns something even in 12 steps
 
