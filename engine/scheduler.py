@@ -15,7 +15,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from ipc.messages import Finished, TokenDelta
+from ipc.messages import Finished, PromptLogprobs, TokenDelta
 
 from .batch import Batch, ScheduledRequest, StepOutput
 from .kv_cache import KVCache
@@ -152,6 +152,9 @@ class Scheduler:
             if req.is_finished:  # aborted while the step ran
                 continue
             req.num_computed_tokens = s.end
+            scores = step.prompt_scores.get(req.request_id)
+            if scores is not None and scores.first == len(req.prompt_scores) + 1:  # contiguous (a recompute skips)
+                req.prompt_scores.extend(zip(scores.logprobs, scores.ranks, scores.top_logprobs))
             if not s.reaches_end:
                 continue
             out = outputs[req.request_id]
@@ -168,6 +171,9 @@ class Scheduler:
             if req.params.logprobs is not None:
                 delta = TokenDelta(req.request_id, delta.token_ids, out.logprobs[:taken],
                                    out.top_logprobs[:taken] if out.top_logprobs else [[] for _ in range(taken)])
+            if req.params.prompt_logprobs is not None and not req.prompt_scores_sent:
+                delta = TokenDelta(req.request_id, delta.token_ids, delta.logprobs, delta.top_logprobs,
+                                   _prompt_logprobs(req))
             deltas.append(delta)
             if reason is not None:
                 finished.append(self._finish_running(req, reason))
@@ -204,3 +210,10 @@ class Scheduler:
     def _release(self, req: Request) -> None:
         if req.seq is not None:
             self.cache.free(req.seq)
+
+
+def _prompt_logprobs(req: Request) -> PromptLogprobs:
+    """The request's prompt scores for its first delta (they are sent once)."""
+    req.prompt_scores_sent = True
+    lps, ranks, tops = zip(*req.prompt_scores) if req.prompt_scores else ((), (), ())
+    return PromptLogprobs(list(lps), list(ranks), [list(t) for t in tops])
