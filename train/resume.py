@@ -2,7 +2,7 @@
 
 A training run on a shared CPU takes about an hour; a kill (an environment restart, a stopped
 job) must cost at most the steps since the last save, not the run. The state is a safetensors
-file (tensors only, no pickle) with a JSON metadata entry for the scalars, written under a
+file (tensors only, no object serialization) with a JSON metadata entry for the scalars, written under a
 temporary name and renamed into place, so a kill mid-write leaves the previous state intact.
 
 Resuming needs the same run: `fingerprint` names the arguments that decide the trajectory
@@ -64,20 +64,30 @@ def save(path: Path, lm, mtp, opt: torch.optim.Optimizer, gen: torch.Generator, 
 
 def load(path: Path, lm, mtp, opt: torch.optim.Optimizer, gen: torch.Generator, fp: dict) -> State:
     """Restore a state written by `save` into freshly built modules and optimizer."""
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata()
-        if json.loads(meta["fingerprint"]) != fp:
-            raise ValueError(f"{path}: written by a run with other arguments or another tokenizer "
-                             f"({meta['fingerprint']} vs {json.dumps(fp, sort_keys=True)}); delete it to start over")
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-    for prefix, module in (("lm.", lm), ("mtp.", mtp)):
-        own = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
-        module.load_state_dict(own, strict=True)
+    state, tensors = load_weights(path, lm, mtp, fp)
     for i, p in enumerate(_params(opt)):
         keys = [k for k in tensors if k.startswith(f"opt.{i}.")]
         if keys:
             opt.state[p] = {k.rsplit(".", 1)[1]: tensors[k].to(p.device) if tensors[k].dim() else tensors[k]
                             for k in keys}
     gen.set_state(tensors["sampler"])
+    return state
+
+
+def load_weights(path: Path, lm, mtp, fp: dict) -> tuple[State, dict[str, torch.Tensor]]:
+    """Only the model and MTP weights of a saved state (to export a run stopped early), and every
+    saved tensor. A `fp` without a tokenizer hash checks the arguments only."""
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+        saved = json.loads(meta["fingerprint"])
+        if "tokenizer_sha256" not in fp:
+            saved.pop("tokenizer_sha256", None)
+        if saved != fp:
+            raise ValueError(f"{path}: written by a run with other arguments or another tokenizer "
+                             f"({meta['fingerprint']} vs {json.dumps(fp, sort_keys=True)}); delete it to start over")
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    for prefix, module in (("lm.", lm), ("mtp.", mtp)):
+        own = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+        module.load_state_dict(own, strict=True)
     s = json.loads(meta["state"])
-    return State(s["step"], s["elapsed_s"], [tuple(r) for r in s["recent"]])
+    return State(s["step"], s["elapsed_s"], [tuple(r) for r in s["recent"]]), tensors
