@@ -67,6 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"save the training state (WORK_DIR/{resume.STATE_FILE}) every N steps (0 = never)")
     p.add_argument("--resume", action="store_true",
                    help="continue from WORK_DIR's saved training state when there is one (same arguments)")
+    p.add_argument("--export-saved-state", action="store_true",
+                   help="train no further: export and evaluate WORK_DIR's saved state (a run stopped early)")
     p.add_argument("--test-data-dir", default=None,
                    help="also write a held-out text sample and its word list here (the built-in's tests use them)")
 
@@ -159,6 +161,14 @@ def train(lm, mtp, cfg, data: Data, args: argparse.Namespace, device: torch.devi
     autocast = _precision(args, device)
     state_path, fp = work / resume.STATE_FILE, resume.fingerprint(args, data.tokenizer.to_str())
     start, done_s, recent = 0, 0.0, []
+    if args.export_saved_state:
+        state, _ = resume.load_weights(state_path, lm, mtp, fp)
+        log({"exported_saved_state_at_step": state.step})
+        probes.detach_hooks()
+        lm.eval()
+        mtp.eval()
+        return {"step": state.step, "of_steps": args.steps, "stopped_early": state.step < args.steps,
+                "elapsed_s": state.elapsed_s}
     if args.resume and state_path.exists():
         state = resume.load(state_path, lm, mtp, opt, gen, fp)
         start, done_s, recent = state.step, state.elapsed_s, list(state.recent)
@@ -255,7 +265,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> Result:
     work.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.threads)
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
-    log_file = (work / "train-log.jsonl").open("a" if args.resume else "w")
+    log_file = (work / "train-log.jsonl").open("a" if args.resume or args.export_saved_state else "w")
 
     def log(record: dict) -> None:
         logger.info("%s", record)

@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 
 STATE_FILE = "train-state.safetensors"
 # Arguments that do not change which weights the run ends with.
-_NOT_TRAJECTORY = {"out_dir", "work_dir", "deb", "html_dir", "threads", "log_every", "checkpoint_every", "resume",
+_NOT_TRAJECTORY = {"out_dir", "work_dir", "deb", "html_dir", "threads", "log_every", "checkpoint_every", "resume", "export_saved_state",
                    "eval_windows", "test_data_dir", "export_dtype", "func", "device"}
 
 

@@ -70,6 +70,11 @@ def test_a_run_resumed_from_its_saved_state_ends_with_the_same_weights(trained):
     assert first.keys() == second.keys()
     for name in first:
         torch.testing.assert_close(second[name], first[name], rtol=0, atol=0, msg=name)
+    # A run stopped at its last save exports that state as it is.
+    stopped = recipe.run(_tiny_args(base, "model3", "work2", "--export-saved-state"), [])
+    final = stopped.recipe["final_training"]
+    assert (final["step"], final["of_steps"], final["stopped_early"]) == (10, 12, True)
+    assert not torch.equal(load_file(base / "model3" / "model.safetensors")["embed.weight"], second["embed.weight"])
     # A state is only continued by the run that wrote it.
     other = resume.fingerprint(_tiny_args(base, "x", "y", "--lr", "1e-3"), result.data.tokenizer.to_str())
     with pytest.raises(ValueError, match="other arguments"):
