@@ -5,10 +5,13 @@ into chunks so prompt rows from several engine steps are joined."""
 
 from __future__ import annotations
 
+import math
+
 import openai
 import pytest
 import torch
 
+from perf.score_api import score_text
 from server_process import Server
 
 transformers = pytest.importorskip("transformers")
@@ -77,6 +80,27 @@ def test_vllm_prompt_logprobs_alongside_generation(client, reference):
         assert entry[str(best)]["rank"] == 1
         assert (entry[str(t)]["rank"] == 1) == (t == best)
         assert len(entry) in (2, 3)  # the prompt token and the top 2 (it may be one of them)
+
+
+def test_held_out_loss_through_the_api_equals_the_reference(chunked_server, model_dir):
+    from server.tokenizer import Tokenizer
+
+    text = " ".join([TEXT] * 3)
+    tok = Tokenizer.from_dir(model_dir)
+    ids = tok.encode(text)
+    length = 24
+    got = score_text(chunked_server.url, text, length, chunked_server.api_key)
+    model = transformers.DeepseekV4ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    nats, chars, n = 0.0, 0, (len(ids) - 1) // length
+    with torch.no_grad():
+        for i in range(n):
+            w = torch.tensor(ids[i * length: (i + 1) * length + 1])
+            logits = model(input_ids=w[None, :-1]).logits[0].float()  # [L, V]
+            nats += torch.nn.functional.cross_entropy(logits, w[1:], reduction="sum").item()
+            chars += len(tok.decode(w[1:].tolist()))
+    assert got.tokens == n * length and got.chars == chars
+    assert math.isclose(got.nats, nats, rel_tol=1e-4)
+    assert math.isclose(got.bits_per_char, nats / math.log(2) / chars, rel_tol=1e-4)
 
 
 def test_scoring_is_refused_where_it_is_not_supported(client):
