@@ -49,6 +49,10 @@ class SequenceStep(SequenceContext):
         self.token_ids = torch.tensor(tokens, dtype=torch.long, device=device)  # [T]
         self.positions = torch.tensor(positions, dtype=torch.long, device=device)  # [T]
 
+    def set_token_ids(self, token_ids: torch.Tensor) -> None:
+        """Replace the step's token ids [T] by a device tensor (tokens sampled on the device)."""
+        self.token_ids = token_ids.to(torch.long)
+
     def run(self, model, logit_rows: list[int] | None, inputs: torch.Tensor | None = None):
         """(streams [T, n, D], logits [len(logit_rows), V] fp32 or None). With `inputs` (the
         target's streams at these positions) the step runs the MTP layer instead of the model."""

@@ -20,7 +20,9 @@ from typing import Any
 
 import msgspec
 
-SUPPORTED_MODEL_TYPES = ("deepseek_v4",)
+from engine.kv_transfer.config import KVTransferConfig  # PD disaggregation (msgspec only)
+
+SUPPORTED_MODEL_TYPES = ("deepseek_v4", "deepseek_v41")
 
 _LAYER_TYPE_TO_KIND = {
     "sliding_attention": "swa",
@@ -84,6 +86,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     tie_word_embeddings: bool = False
     quantization: dict[str, Any] | None = field(default=None, compare=False)
+    # 'v4' (DeepSeek-V4) or 'v41' (DeepSeek-V4.1: `v41` holds what it adds; engine/v41/config.py)
+    arch: str = "v4"
+    v41: Any = None
 
     # ---- derived -------------------------------------------------------------------------
     @property
@@ -230,6 +235,10 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
         raise ConfigError(
             f"config.json: unsupported model_type {model_type!r}; ringserve serves {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
+    if model_type == "deepseek_v41":  # the release's composite config: text geometry under text_config
+        from .v41.config import parse_v41
+
+        return parse_v41(raw)
     if "text_config" in raw:
         raise ConfigError("config.json: composite (text_config) configs are not supported for deepseek_v4")
     num_layers = int(_require(raw, "num_hidden_layers", int))
@@ -382,6 +391,7 @@ MODES = ("throughput", "single-user")
 COMPUTE_DTYPES = ("auto", "bf16", "fp32")
 KV_DTYPES = ("auto", "bf16", "fp8", "fp4")
 WEIGHT_DTYPES = ("auto", "bf16")
+PREFIX_REPLAY_MODES = ("exact", "bounded")
 
 
 @dataclass(frozen=True)
@@ -410,6 +420,17 @@ class EngineConfig:
     # Verify only as many of the k drafts as pay for themselves (engine/spec_control.py).
     adaptive_speculation: bool = True
     seed: int = 0
+    # --- PD disaggregation (engine/kv_connector.py): this engine's KV role and transport ---
+    kv_transfer: KVTransferConfig | None = None
+    # DeepSeek-V4.1 prefill: 'exact', or 'approx' = decoder-tail bounded replay (the layers after
+    # the last KV source run on each prefill chunk's last `sliding_window` tokens only).
+    decoder_tail: str = "exact"
+    # Prefix caching (engine/prefix_cache.py): reuse the global KV blocks of a cached prefix.
+    # exact = output identical to a cold run (sliding-state snapshots, else a receptive-field
+    # replay); bounded = vLLM's approximation (recompute the last window before the hit).
+    enable_prefix_caching: bool = True
+    prefix_replay: str = "exact"
+    prefix_snapshots: int | None = None  # sliding-state snapshots kept (exact mode); None = 4 × max_num_seqs
 
     def __post_init__(self) -> None:
         checks = [
@@ -426,6 +447,9 @@ class EngineConfig:
              "must be in [0, 8]"),
             (self.block_size >= 1, "block_size", "must be ≥ 1"),
             (self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes", "must be positive"),
+            (self.decoder_tail in ("exact", "approx"), "decoder_tail", "must be exact or approx"),
+            (self.prefix_replay in PREFIX_REPLAY_MODES, "prefix_replay", f"must be one of {', '.join(PREFIX_REPLAY_MODES)}"),
+            (self.prefix_snapshots is None or self.prefix_snapshots >= 0, "prefix_snapshots", "must be ≥ 0"),
         ]
         for ok, name, rule in checks:
             if not ok:

@@ -26,6 +26,7 @@ import torch
 
 from .attention_backend import StepSeq
 from .decode_batch import DecodeBatch
+from .fused_decode import FusedDecoder
 from .kv_cache import KVCache
 from .model import DeepseekV4
 
@@ -48,7 +49,7 @@ Key = tuple[str, int, int, int]  # (kind, B, q, C)
 @dataclass
 class _Shape:
     batch: DecodeBatch
-    inputs: torch.Tensor | None = None  # 'mtp': [B, n, D] the previous draft's streams (static)
+    inputs: torch.Tensor | None = None  # 'mtp': [B·q, n, D] the target's / previous draft's streams (static)
     graph: "torch.cuda.CUDAGraph | None" = None
     streams: torch.Tensor | None = None  # [B·q, n, D] outputs of the last run (static under a graph)
     logits: torch.Tensor | None = None  # [B·q, vocab] fp32
@@ -60,6 +61,20 @@ class StaticStep:
     def __init__(self, backend: "StaticDecodeBackend", shape: _Shape, num_rows: int):
         self.backend, self.shape, self.num_rows = backend, shape, num_rows
 
+    def set_token_ids(self, token_ids: torch.Tensor) -> None:
+        """The live rows' token ids [n·q] from a device tensor (tokens sampled on the device)."""
+        self.shape.batch.token_ids[: token_ids.shape[0]].copy_(token_ids)
+
+    def advance(self, start: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """A q = 1 step whose positions are known on the device only: live row i at position
+        start[i] with token token_ids[i]. Its tables were filled for a start no larger (so they
+        cover every position it can now reach)."""
+        batch, n = self.shape.batch, start.shape[0]
+        assert batch.tokens_per_seq == 1 and n == self.num_rows
+        batch.start[:n].copy_(start)
+        batch.positions[:n].copy_(start)
+        batch.token_ids[:n].copy_(token_ids)
+
     def run(self, model, logit_rows: list[int] | None, inputs: torch.Tensor | None = None):
         """Streams [n·q, hc, D] of the live rows and the logits of `logit_rows` (None: all):
         views of static outputs where possible, valid until the next run. 'mtp' shapes take the
@@ -67,7 +82,7 @@ class StaticStep:
         are increasing, so asking for n of n rows means all of them."""
         shape = self.shape
         if shape.inputs is not None:
-            shape.inputs[: self.num_rows].copy_(inputs)
+            shape.inputs[: inputs.shape[0]].copy_(inputs)
         self.backend.replay(shape)
         n = self.num_rows * shape.batch.tokens_per_seq
         logits = shape.logits[:n] if logit_rows is None or len(logit_rows) == n else shape.logits[logit_rows]
@@ -76,7 +91,8 @@ class StaticStep:
 
 class StaticDecodeBackend:
     def __init__(self, model: DeepseekV4, cache: KVCache, batch_sizes: tuple[int, ...],
-                 tokens_per_seq: tuple[int, ...], max_model_len: int, capture: bool, draft_steps: bool = False):
+                 tokens_per_seq: tuple[int, ...], max_model_len: int, capture: bool, draft_steps: bool = False,
+                 fused: bool = True):
         if not batch_sizes or min(batch_sizes) < 1:
             raise ValueError(f"--cuda-graph-sizes must be positive batch sizes, got {list(batch_sizes)}")
         self.model, self.cache = model, cache
@@ -88,6 +104,9 @@ class StaticDecodeBackend:
         # Sliding blocks a table can hold at a step: the kept window plus the step, across block edges.
         self.sliding_blocks = -(-(cache.manager.keep + 2 * max(self.tokens_per_seq)) // b) + 2
         self.capture = capture and torch.device(cache.device).type == "cuda"
+        # The forward a shape runs: the fused kernels (engine/fused_decode.py; Triton on CUDA,
+        # the CPU kernels on CPU) or the torch static path (engine/attention_decode.py).
+        self.fused = FusedDecoder(model) if fused else None
         self._shapes: dict[Key, _Shape] = {}
         self._pool = None
         self.num_runs = 0  # static-shape steps run
@@ -105,13 +124,14 @@ class StaticDecodeBackend:
             return None
         return "model", size, q, bucket
 
-    def mtp_shape_for(self, num_seqs: int) -> Key | None:
-        """The smallest MTP draft-step shape for `num_seqs` sequences (it reads only its window,
-        so any context fits the smallest bucket), or None."""
-        if not self.draft_steps:
+    def mtp_shape_for(self, num_seqs: int, q: int = 1) -> Key | None:
+        """The smallest MTP shape for `num_seqs` sequences of q tokens (q = 1: a draft step; the
+        catch-up after a verify step: 1 + drafts), or None. It reads only its window, so any
+        context fits the smallest bucket."""
+        if not self.draft_steps or (q != 1 and q not in self.tokens_per_seq):
             return None
         size = next((s for s in self.batch_sizes if s >= num_seqs), None)
-        return None if size is None else ("mtp", size, 1, self.buckets[0])
+        return None if size is None else ("mtp", size, q, self.buckets[0])
 
     def prepare(self, rows: list[StepSeq], kind: str = "model") -> StaticStep | None:
         """Fill the smallest shape that holds these rows (all with the same number q of tokens),
@@ -120,7 +140,7 @@ class StaticDecodeBackend:
         if any(len(r.token_ids) != q for r in rows):
             return None
         if kind == "mtp":
-            key = self.mtp_shape_for(len(rows)) if q == 1 else None
+            key = self.mtp_shape_for(len(rows), q)
         else:
             key = self.shape_for(len(rows), q, max(r.start for r in rows) + q)
         if key is None:
@@ -138,7 +158,7 @@ class StaticDecodeBackend:
             shape = self._shapes[key] = _Shape(batch)
             if kind == "mtp":
                 cfg = self.model.cfg
-                shape.inputs = torch.zeros(size, cfg.hc_mult, cfg.hidden_size, dtype=self.model.dtype,
+                shape.inputs = torch.zeros(size * q, cfg.hc_mult, cfg.hidden_size, dtype=self.model.dtype,
                                            device=self.cache.device)
             if self.capture:
                 self._capture(shape)
@@ -166,12 +186,15 @@ class StaticDecodeBackend:
         return row.token_ids, row.start, table.full[: batch.full_table.shape[1]], sliding, first
 
     def _forward(self, shape: _Shape) -> tuple[torch.Tensor, torch.Tensor]:
-        batch = shape.batch
+        batch, fused = shape.batch, self.fused
         if shape.inputs is None:
-            streams = self.model(batch.token_ids, batch.positions, batch)
+            streams = fused.forward(batch) if fused else self.model(batch.token_ids, batch.positions, batch)
             return streams, self.model.logits(streams)
         mtp = self.model.mtp[0]
-        streams = mtp(self.model, shape.inputs, batch.token_ids, batch.positions, batch)
+        if fused:
+            streams = fused.forward_mtp(shape.inputs, batch)
+        else:
+            streams = mtp(self.model, shape.inputs, batch.token_ids, batch.positions, batch)
         return streams, mtp.logits(self.model, streams)
 
     # ---- capture (CUDA only) -----------------------------------------------------------------
@@ -182,7 +205,7 @@ class StaticDecodeBackend:
             return 0
         keys = [("model", s, q, c) for c in self.buckets for q in self.tokens_per_seq for s in self.batch_sizes]
         if self.draft_steps:
-            keys += [("mtp", s, 1, self.buckets[0]) for s in self.batch_sizes]
+            keys += [("mtp", s, q, self.buckets[0]) for q in sorted({1, *self.tokens_per_seq}) for s in self.batch_sizes]
         free_before, t0 = torch.cuda.mem_get_info()[0], time.perf_counter()
         for key in sorted(keys, key=lambda k: k[1:], reverse=True):
             self._get(key)

@@ -8,6 +8,7 @@ speculation on, nothing queued ahead of the user's tokens).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from .cuda_graphs import StaticDecodeBackend
 from .kv_cache import KVCache
 from .model import DeepseekV4
 from .model_runner import ModelRunner
+from .prefix_cache import PrefixCache, snapshot_slots
 from .request import Request, RequestError
 from .scheduler import Scheduler, SchedulerConfig
 from .spec_control import SpeculationControl
@@ -44,45 +46,76 @@ class Engine:
         self.config = config = config.resolved()
         self.model = model
         max_len = config.context_length(model.cfg)
-        self.cache = KVCache.for_model(model, config.kv_dtype, config.max_num_seqs, config.max_num_batched_tokens,
-                                       num_full_blocks=config.num_kv_blocks, memory_bytes=config.kv_cache_memory_bytes,
-                                       block_size=config.block_size)
+        v41 = model.cfg.arch == "v41"  # DeepSeek-V4.1: its cache, runner and DSpark (engine/v41/)
+        if v41:
+            from .v41.kv_cache import V41KVCache as cache_cls
+        else:
+            cache_cls = KVCache
+        self.config = config = _without_unsupported_prefix_caching(config, v41)
+        sizing = {}
+        if not v41:
+            sizing["snapshot_slots"] = snapshot_slots(config.enable_prefix_caching, config.prefix_replay,
+                                                      config.prefix_snapshots, config.max_num_seqs)
+        self.cache = cache_cls.for_model(model, config.kv_dtype, config.max_num_seqs, config.max_num_batched_tokens,
+                                         num_full_blocks=config.num_kv_blocks,
+                                         memory_bytes=config.kv_cache_memory_bytes, block_size=config.block_size,
+                                         **sizing)
         k = config.speculative_tokens
         if k > self.cache.manager.slack:
             raise ValueError(f"--speculative-tokens {k} exceeds the KV slack of {self.cache.manager.slack} positions")
+        max_len = _fit_context_to_pool(max_len, self.cache.manager, k)
         sched_cfg = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_len, k)
-        self.scheduler = Scheduler(sched_cfg, self.cache, model.cfg.eos_token_ids)
+        # ---- prefix caching (engine/prefix_cache.py) ----
+        self.prefix_cache = (PrefixCache.for_engine(self.cache, model.cfg, config.kv_dtype, config.prefix_replay, k > 0)
+                             if config.enable_prefix_caching else None)
+        self.scheduler = Scheduler(sched_cfg, self.cache, model.cfg.eos_token_ids, self.prefix_cache)
         self.static = None
         static = config.static_decode
         if static is None:
-            static = static_decode_default(model.device) and not config.enforce_eager
+            static = static_decode_default(model.device) and not config.enforce_eager and not v41
+        if static and v41:
+            raise ValueError("DeepSeek-V4.1 has no static-shape decode path (--static-decode)")
         if static:
             depths = tuple(range(1, k + 2)) if config.adaptive_speculation else (1, 1 + k)
             self.static = StaticDecodeBackend(model, self.cache, config.cuda_graph_sizes, depths, max_len,
                                               capture=model.device.type == "cuda" and not config.enforce_eager,
-                                              draft_steps=k > 1)
+                                              draft_steps=k > 0)
             self.static.capture_all()
-        self.runner = ModelRunner(model, self.cache, k, self.static)
+        if v41:
+            from .v41.runner import V41ModelRunner
+
+            self.runner = V41ModelRunner(model, self.cache, k, config.decoder_tail)
+        else:
+            self.runner = ModelRunner(model, self.cache, k, self.static)
         self.spec_control = SpeculationControl(k) if k and config.adaptive_speculation else None
         self.stats = EngineStats(spec_accepted_per_position=[0] * k)
+        self.connector = None  # [kv-connector] PD disaggregation: engine.kv_connector.attach_connector sets it
 
     @property
     def max_model_len(self) -> int:
         return self.scheduler.config.max_model_len
 
-    def add_request(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+    def add_request(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams,
+                    kv_transfer_params=None) -> Request:
         """Queue a request; RequestError if it breaks an invariant the edge should have enforced
         (the worker turns that into a refused request, never a crash)."""
         vocab = self.model.cfg.vocab_size
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise RequestError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        if kv_transfer_params is not None:  # [kv-connector] a leg of a PD request
+            if self.connector is None:
+                raise RequestError("kv_transfer_params need a server started with --kv-transfer")
+            return self.connector.add_request(request_id, list(prompt_token_ids), params, kv_transfer_params)
         req = Request(request_id, list(prompt_token_ids), params)
         self.scheduler.add(req)
         return req
 
     def abort(self, request_id: int) -> Finished | None:
-        return self.scheduler.abort(request_id)
+        done = self.scheduler.abort(request_id)
+        if self.connector is not None:  # [kv-connector] a request waiting for remote KV
+            done = self.connector.abort(request_id) or done
+        return done
 
     @property
     def has_work(self) -> bool:
@@ -91,10 +124,17 @@ class Engine:
     def step(self) -> StepOutputs:
         """One schedule → execute → update round; empty outputs when there is nothing to run."""
         t0 = time.perf_counter()
+        loaded = self.kv_tick()  # [kv-connector]
         batch = self.scheduler.schedule()
         if not batch:
-            return StepOutputs([], [])
-        return self.run(batch, self.draft_wish(batch), t0=t0)
+            return loaded or StepOutputs([], [])
+        out = self.run(batch, self.draft_wish(batch), t0=t0)
+        return StepOutputs(loaded.deltas + out.deltas, loaded.finished + out.finished) if loaded else out
+
+    def kv_tick(self) -> StepOutputs | None:
+        """[kv-connector] Advance KV transfers: the first tokens and failures of remote-prefilled
+        requests whose loads ended (None: nothing to report, or no connector)."""
+        return self.connector.tick() if self.connector is not None else None
 
     def draft_wish(self, batch: Batch) -> int:
         """Drafts to propose after this batch (the speculation controller's choice, or k)."""
@@ -111,7 +151,11 @@ class Engine:
         step = self.runner.execute(batch, num_drafts, allow_static=allow_static, lockstep=lockstep)
         if not batch:
             return StepOutputs([], [])
+        if self.connector is not None:  # [kv-connector] hold remote-decode blocks before update frees them
+            self.connector.before_update(batch, step)
         deltas, finished = self.scheduler.update(batch, step)
+        if self.connector is not None:  # [kv-connector] their kv_transfer_params onto their Finished
+            finished = self.connector.attach(finished)
         if self.runner.k:
             self._count_acceptance(batch, step)
         if control is not None:
@@ -155,3 +199,33 @@ def default_dtype(config: EngineConfig, device: str) -> torch.dtype:
     if config.dtype == "auto":
         return torch.bfloat16 if device.startswith("cuda") else torch.float32
     return {"bf16": torch.bfloat16, "fp32": torch.float32}[config.dtype]
+
+
+def _without_unsupported_prefix_caching(config: EngineConfig, v41: bool) -> EngineConfig:
+    """Prefix caching covers V4 engines that own their requests' KV. Not yet: DeepSeek-V4.1 (its
+    own cache, engine/v41/) and PD roles (a decode's blocks arrive over NIXL outside admission, a
+    prefill's stay under a lease after the request) — there it is turned off, said once."""
+    if not config.enable_prefix_caching:
+        return config
+    why = ("DeepSeek-V4.1" if v41 else
+           f"--kv-role {config.kv_transfer.role}" if config.kv_transfer is not None else None)
+    if why is None:
+        return config
+    logger.info("prefix caching is off: not supported with %s yet", why)
+    return dataclasses.replace(config, enable_prefix_caching=False)
+
+
+def _fit_context_to_pool(max_len: int, manager, num_drafts: int) -> int:
+    """The context length one sequence can really reach: a request longer than the full pool
+    could never be scheduled (it would wait forever), so cap the length — the edge then refuses
+    such requests with a 400 naming the limit — and say so once, as vLLM does at start."""
+    # block 0 is the dummy; a verify step writes up to num_drafts positions past the sequence
+    fits = (manager.full.num_blocks - 1) * manager.block_size - num_drafts
+    if fits >= max_len:
+        return max_len
+    if fits < 2:
+        raise ValueError(f"the KV pool holds {manager.full.num_blocks - 1} blocks of {manager.block_size}: "
+                         "not one sequence; give it more memory (--kv-cache-memory)")
+    logger.warning("context length capped at %d tokens: the KV pool holds no more for one sequence "
+                   "(raise --kv-cache-memory for %d)", fits, max_len)
+    return fits

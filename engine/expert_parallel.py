@@ -1,7 +1,8 @@
 """A worker's share of the routed experts under expert parallelism, and keeping it balanced.
 
 Before loading, `initial_placement` says which logical experts each rank's MoE layers hold
-(E/N slots plus R/N redundant ones per rank; the model's layers, then its MTP layers), and
+(E/N slots plus R/N redundant ones per rank; the model's layers, then its MTP layers — for V4.1
+the backbone's only), and
 `experts_to_load` turns that into `load_model(experts=...)`, so each rank reads only its share.
 After loading, `ExpertParallel` wires every MoE layer to an `ExpertParallelMoE` (dispatch to the
 ranks that own a token's experts, local grouped GEMMs, combine) over the group's all-to-all.
@@ -29,7 +30,11 @@ logger = logging.getLogger(__name__)
 
 
 def moe_layer_ids(cfg: ModelConfig, num_mtp: int) -> list[int]:
-    """Placement layer index of every MoE layer: the model's, then its MTP layers'."""
+    """Placement layer index of every MoE layer: the model's, then its MTP layers'. DeepSeek-V4.1:
+    the backbone's only; its DSpark stages (fewer experts each) stay whole on every rank, so
+    drafting runs no collective and the placement has one expert count."""
+    if cfg.arch == "v41":
+        return list(range(cfg.num_layers))
     return list(range(cfg.num_layers + num_mtp))
 
 
@@ -64,11 +69,16 @@ class ExpertParallel:
         self.dispatchers: list[ExpertParallelMoE] = []
         for layer, moe in enumerate(self.layers):
             maps = placement.layer_maps(layer, model.device)
-            ep = ExpertParallelMoE(self.a2a, moe.experts.local_experts, *maps)
+            ep = _dispatcher(model, self.a2a, moe, maps)
             moe.parallel = ep
             self.dispatchers.append(ep)
         self.last_imbalance: list[float] = [1.0] * placement.num_layers  # per layer, of the last window
         self.rebalances = 0
+        # The load EPLB places for: every window's group load, older windows decayed by half each
+        # time, so one odd window (a burst of one prompt) cannot swing the placement alone.
+        self.load_history: np.ndarray | None = None  # [L, E] float64
+
+    LOAD_DECAY = 0.5
 
     def rebalance(self, move_weights: bool) -> tuple[list[float], list[float]]:
         """Sum the group's expert loads since the last call; with `move_weights`, adopt the
@@ -79,14 +89,18 @@ class ExpertParallel:
         total = eplb.all_reduce_load(load, self.group.cpu_group)
         before = eplb.imbalance(total, self.placement)
         self.last_imbalance = before.tolist()  # observed: the window ran under the old placement
+        history = total.astype(np.float64) if self.load_history is None else self.LOAD_DECAY * self.load_history + total
+        self.load_history = history  # identical on every rank: built from all-reduced loads only
         if not move_weights or total.sum() == 0:
             return before.tolist(), before.tolist()
         t0 = time.perf_counter()
-        new = eplb.rebalance(total, self.placement.num_ranks, self.parallel.num_redundant_experts)
+        new = eplb.rebalance(history, self.placement.num_ranks, self.parallel.num_redundant_experts)
         plan = eplb.migration_plan(self.placement, new)
         for layer, (moe, ep) in enumerate(zip(self.layers, self.dispatchers)):
-            tensors = eplb.migrate_expert_weights(moe.experts.state_dict(), plan, layer, new.slots_per_rank,
-                                                  self.rank, self.group.group)
+            stored = moe.experts.state_dict()
+            tensors = eplb.migrate_expert_weights({n: _on_wire(t) for n, t in stored.items()}, plan, layer,
+                                                  new.slots_per_rank, self.rank, self.group.group)
+            tensors = {n: t.view(stored[n].dtype) for n, t in tensors.items()}  # the same bits, stored dtype
             moe.experts.adopt(tensors, new.local_experts(layer, self.rank).tolist())
             ep.set_placement(*new.layer_maps(layer, self.model.device))
         self.placement = new
@@ -95,6 +109,19 @@ class ExpertParallel:
         logger.info("EPLB: rebalanced %d layers in %.2f s; imbalance %.3f -> %.3f (mean over layers)",
                     len(self.layers), time.perf_counter() - t0, float(before.mean()), float(after.mean()))
         return before.tolist(), after.tolist()
+
+
+def _on_wire(t: torch.Tensor) -> torch.Tensor:
+    """FP8 codes and E8M0 scales as their bytes: gloo's all-to-all has no float8 types."""
+    return t.view(torch.uint8) if t.is_floating_point() and t.element_size() == 1 else t
+
+
+def _dispatcher(model, a2a, moe, maps) -> ExpertParallelMoE:
+    if model.cfg.arch == "v41":  # the routing weight before w2, fp32 sums in expert order
+        from .v41.expert_parallel import V41ExpertParallelMoE
+
+        return V41ExpertParallelMoE(a2a, moe.experts, *maps)
+    return ExpertParallelMoE(a2a, moe.experts.local_experts, *maps)
 
 
 def _moe_of(model, layer: int):

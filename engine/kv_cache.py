@@ -16,6 +16,7 @@ import kernels
 from .block_manager import BlockManager, BlockTable
 from .config import ModelConfig
 from .kv_layout import RAW_FORMATS, KVLayout, PoolSpec, build_layout
+from .kv_snapshot import SnapshotStore, snapshot_bytes
 
 _TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -106,7 +107,10 @@ class PagedRows:
 
 
 class PagedEntries:
-    """Compressed records (entries or index keys) of a full pool for one layer, by entry index."""
+    """Compressed records (entries or index keys) of a full pool for one layer, by entry index.
+
+    Records of positions below the table's `frozen_tokens` live in prefix-cached blocks shared
+    with other sequences: writes to them (a replay recomputing those positions) are dropped."""
 
     def __init__(self, pool: Pool, layer: int, slots: _Slots, dtype: torch.dtype):
         self.pool, self.layer, self.slots, self.dtype = pool, layer, slots, dtype
@@ -115,7 +119,13 @@ class PagedEntries:
         return self.pool.read(self.layer, self.slots.full(0, count, self.pool.spec.tokens_per_record), self.dtype)
 
     def write(self, start: int, rows: torch.Tensor) -> None:
-        slots = self.slots.full(start, start + rows.shape[0], self.pool.spec.tokens_per_record)
+        m = self.pool.spec.tokens_per_record
+        skip = min(rows.shape[0], max(0, self.slots.table.frozen_tokens // m - start))
+        if skip:  # entries of shared blocks: already there, never changed
+            start, rows = start + skip, rows[skip:]
+            if not rows.shape[0]:
+                return
+        slots = self.slots.full(start, start + rows.shape[0], m)
         self.pool.write(self.layer, slots, rows)
 
 
@@ -140,6 +150,10 @@ class PagedSequence:
         self._views: dict[int, _LayerView] = {}
         self.num_layers = num_layers
 
+    def sliding_slots(self, start: int, end: int) -> torch.Tensor:
+        """Flat slot ids of positions [start, end) in the sliding pools ([end − start], long)."""
+        return self._slots.sliding(start, end)
+
     def layer(self, index: int) -> "_LayerView":
         view = self._views.get(index)
         if view is None:
@@ -152,7 +166,7 @@ class KVCache:
     """All pools of a layout, preallocated, plus the block manager that hands out their blocks."""
 
     def __init__(self, cfg: ModelConfig, layout: KVLayout, num_full_blocks: int, num_sliding_blocks: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu", slack: int = 8):
+                 dtype: torch.dtype, device: torch.device | str = "cpu", slack: int = 8, snapshot_slots: int = 0):
         self.cfg, self.layout, self.dtype, self.device = cfg, layout, dtype, device
         self.num_mtp_layers = max(layout.pool("swa").layers) + 1 - cfg.num_layers  # window-only layers
         self.manager = BlockManager(layout, num_full_blocks, num_sliding_blocks, slack)
@@ -162,13 +176,17 @@ class KVCache:
             for spec in layout.pools
         }
         self._layer_pools: dict[int, dict[str, PoolRef]] = {}
+        # Sliding-state snapshots at block boundaries (exact prefix-cache hits); None = none kept.
+        self.snapshots = SnapshotStore(self, snapshot_slots) if snapshot_slots else None
 
     @classmethod
     def for_model(cls, model, kv_dtype: str = "auto", max_num_seqs: int = 64, max_tokens_per_step: int = 2048,
                   num_full_blocks: int | None = None, memory_bytes: int | None = None, block_size: int = 256,
-                  slack: int = 8) -> "KVCache":
+                  slack: int = 8, snapshot_slots: int = 0) -> "KVCache":
         """Pools for `model`: growable blocks from `num_full_blocks` or from what `memory_bytes`
-        leaves after the sliding (per-sequence) blocks of `max_num_seqs` sequences."""
+        leaves after the sliding (per-sequence) blocks of `max_num_seqs` sequences and the
+        `snapshot_slots` sliding-state snapshots (engine/kv_snapshot.py; with `memory_bytes`,
+        as many of them as fit in an eighth of what the sliding blocks leave)."""
         compute = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[model.dtype]
         layout = build_layout(model.cfg, kv_dtype, compute, block_size, num_mtp_layers=len(model.mtp))
         sliding = cls.blocks_for(layout, max_num_seqs, max_tokens_per_step, slack)
@@ -176,10 +194,14 @@ class KVCache:
             if memory_bytes is None:
                 raise ValueError("give num_full_blocks or memory_bytes")
             left = memory_bytes - sliding * layout.group_block_bytes("sliding")
+            # Snapshots take at most an eighth of what the sliding blocks leave: fewer snapshots
+            # only mean more exact replays, fewer global blocks mean fewer cached prefixes.
+            snapshot_slots = min(snapshot_slots, max(0, left // 8) // max(1, snapshot_bytes(layout)))
+            left -= snapshot_slots * snapshot_bytes(layout)
             num_full_blocks = left // max(1, layout.group_block_bytes("full"))
             if num_full_blocks < 2:
                 raise ValueError(f"KV memory {memory_bytes} bytes is too small for {max_num_seqs} sequences")
-        return cls(model.cfg, layout, num_full_blocks, sliding, model.dtype, model.device, slack)
+        return cls(model.cfg, layout, num_full_blocks, sliding, model.dtype, model.device, slack, snapshot_slots)
 
     @staticmethod
     def blocks_for(layout: KVLayout, max_num_seqs: int, max_tokens_per_step: int, slack: int = 8) -> int:
@@ -190,7 +212,8 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for p in self.pools.values() for t in p.tensors.values())
+        pools = sum(t.numel() * t.element_size() for p in self.pools.values() for t in p.tensors.values())
+        return pools + (self.snapshots.nbytes if self.snapshots is not None else 0)
 
     def _layer_view(self, layer: int, slots: _Slots) -> _LayerView:
         cfg, dt = self.cfg, self.dtype
@@ -235,3 +258,15 @@ class KVCache:
 
     def free(self, seq: PagedSequence) -> None:
         self.manager.free(seq.table)
+
+    def zero_sliding(self, seq: PagedSequence, start: int, end: int) -> None:
+        """Zero every sliding pool's rows of positions [start, end) (held by `seq`): what a replay
+        reads before its first position is then defined (zeros), not a recycled block's bytes."""
+        if end <= start:
+            return
+        slots = seq.sliding_slots(start, end)
+        for pool in self.pools.values():
+            if pool.spec.group != "sliding":
+                continue
+            for t in pool.tensors.values():
+                t.view(-1, *t.shape[2:])[slots] = 0

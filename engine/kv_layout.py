@@ -12,7 +12,9 @@ logical block of `block_size` tokens is one block id in every pool of the group.
 
 A pool is written by its `layers`; `source` maps a reading layer to the layer whose pool it
 reads. In V4 every layer reads its own pool; V4.1's cross-layer sharing (a few source layers
-write compressed KV that many layers read) is the same pools with a non-identity `source`.
+write compressed KV that many layers read) is the same pools with a non-identity `source`
+(`build_v41_layout`): `c{m}` / `idx{m}` have only the KV sources as writers, and every ratio-m
+layer of a group reads its source's records.
 """
 
 from __future__ import annotations
@@ -25,11 +27,18 @@ from .config import ModelConfig
 
 KV_DTYPES = ("auto", "bf16", "fp8", "fp4")
 RAW_FORMATS = {"bf16": 2, "fp16": 2, "fp32": 4}
+# V4.1 record formats beyond the kernels' (engine/v41/records.py): the window's e4m3 with a
+# ue8m0 scale per 32 over every channel, FP4 index keys with ue8m0 per 32, and FP8 index keys
+# with one fp32 scale (vLLM's `indexer_kv_dtype: fp8`; sized for reports, not stored).
+V41_FORMATS = {"v41_fp8": lambda d: d + d // 32, "v41_fp4_index": lambda d: d // 2 + d // 32,
+               "fp8_index": lambda d: d + 4}
 
 
 def record_bytes(fmt: str, width: int) -> int:
     if fmt in RAW_FORMATS:
         return RAW_FORMATS[fmt] * width
+    if fmt in V41_FORMATS:
+        return V41_FORMATS[fmt](width)
     return kernels.get_format(fmt, width).record_bytes
 
 
@@ -106,8 +115,11 @@ def _formats(cfg: ModelConfig, kv_dtype: str, compute_dtype: str) -> tuple[str, 
 
 
 def build_layout(cfg: ModelConfig, kv_dtype: str = "auto", compute_dtype: str = "fp32", block_size: int = 256,
-                 num_mtp_layers: int | None = None) -> KVLayout:
-    """The V4 layout: every compressed layer owns its compressor and its pools."""
+                 num_mtp_layers: int | None = None, index_dtype: str = "fp4") -> KVLayout:
+    """The V4 layout: every compressed layer owns its compressor and its pools (V4.1 configs get
+    `build_v41_layout`)."""
+    if cfg.arch == "v41":
+        return build_v41_layout(cfg, kv_dtype, block_size, num_mtp_layers, index_dtype)
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
     mtp = cfg.num_nextn_predict_layers if num_mtp_layers is None else num_mtp_layers
@@ -132,3 +144,47 @@ def build_layout(cfg: ModelConfig, kv_dtype: str = "auto", compute_dtype: str = 
         if hca:
             pools.append(PoolSpec(f"state_c{m}_hca", "sliding", "fp32", 2 * cfg.head_dim, 1, m, hca))
     return KVLayout(block_size, kv_dtype, tuple(pools))
+
+
+def _v41_formats(kv_dtype: str, index_dtype: str) -> tuple[str, str, str]:
+    """(window, compressed entry, index key) formats. V4.1's values are QAT-quantized by the
+    model itself, so every format here holds them exactly: bf16 (auto, bf16), or the model's own
+    records (fp8, fp4: the window's e4m3 per 32, FP4 e4m3/16 entries, FP4 ue8m0/32 keys)."""
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+    if index_dtype not in ("fp4", "fp8"):
+        raise ValueError(f"index key dtype must be fp4 or fp8, got {index_dtype!r}")
+    if kv_dtype in ("auto", "bf16"):
+        return "bf16", "bf16", "bf16"
+    return "v41_fp8", "fp4_kv", "v41_fp4_index" if index_dtype == "fp4" else "fp8_index"
+
+
+def build_v41_layout(cfg: ModelConfig, kv_dtype: str = "auto", block_size: int = 256,
+                     num_stages: int | None = None, index_dtype: str = "fp4") -> KVLayout:
+    """The V4.1 layout (CSA2 cross-layer sharing). Pools:
+      * `swa`      sliding: every layer's window rows, then each DSpark stage's window;
+      * `c{m}`     full: compressed KV, one record per m tokens, written by the ratio-m sources only;
+      * `idx{m}`   full: index keys (from the source's pre-RoPE latent), same writers;
+      * `state_c2` sliding: the ratio-2 sources' fp32 [kv | score] rows of a group still filling
+                   (window ratio − 1 = 1 position); ratio 1 keeps no compressor state.
+    Every ratio-m layer reads its group source's `c{m}` / `idx{m}` (the `source` map)."""
+    v = cfg.v41
+    stages = cfg.num_nextn_predict_layers if num_stages is None else num_stages
+    win_fmt, entry_fmt, index_fmt = _v41_formats(kv_dtype, index_dtype)
+    layers = range(cfg.num_layers)
+    pools = [PoolSpec("swa", "sliding", win_fmt, cfg.head_dim, 1, cfg.sliding_window,
+                      tuple(layers) + tuple(cfg.num_layers + i for i in range(stages)))]
+    source: dict[tuple[str, int], int] = {}
+    for m in sorted({r for r in cfg.compress_ratios if r}):
+        if block_size % m:
+            raise ValueError(f"block size {block_size} is not a multiple of compress ratio {m}")
+        writers = tuple(s for s in v.kv_source_layers if cfg.compress_ratios[s] == m)
+        pools.append(PoolSpec(f"c{m}", "full", entry_fmt, cfg.head_dim, m, 0, writers))
+        pools.append(PoolSpec(f"idx{m}", "full", index_fmt, cfg.index_head_dim, m, 0, writers))
+        if m > 1:  # rows [kv | score] of the group still filling: at most m − 1 positions back
+            pools.append(PoolSpec(f"state_c{m}", "sliding", "fp32", 2 * cfg.head_dim, 1, m - 1, writers))
+        for layer in layers:
+            if cfg.compress_ratios[layer] == m:
+                for name in (f"c{m}", f"idx{m}", f"state_c{m}"):
+                    source[(name, layer)] = v.kv_source_of(layer)
+    return KVLayout(block_size, kv_dtype, tuple(pools), source)

@@ -12,9 +12,11 @@ all-reduce on the group's gloo (CPU) group gives the step that every rank then r
     is not the eager path's);
   * when one rank stops, all stop.
 
-When no rank has work, every rank waits up to `idle_poll_s` for its own rings, then agrees
-again: the ranks park together, and wake together within one poll of any rank getting a
-request. A rank that died or stopped answering makes the agreement (or any collective) fail on
+When no rank has work, every rank parks on its own rings for up to IDLE_PARK_S, then agrees
+again. The engine client, which sees every request first, sends a `Wake` to every other rank
+of the group when it submits to a parked group (no rank has requests in flight), so the ranks
+wake together at once; the bounded park is only the safety net for a request that races the
+group going idle (it then waits at most IDLE_PARK_S). Parked ranks cost ~2 agreements a second. A rank that died or stopped answering makes the agreement (or any collective) fail on
 every other rank within the group's collective timeout, and each exits non-zero: a group cannot
 heal; the server restarts it under a new generation.
 """
@@ -29,7 +31,7 @@ import torch.distributed as dist
 from .config import ParallelConfig
 from .distributed import DistGroup, init_group
 
-IDLE_POLL_S = 0.05
+IDLE_PARK_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,10 +1,16 @@
 """One engine step on the model: Batch → target forward → sample / verify → MTP drafts → StepOutput.
 
 Rows that need logits are the last (1 + drafts) positions of every request whose step reaches
-the end of its known tokens. With speculation on, the MTP head then consumes the target's
-accepted rows (keeping its own window in step with the model's) and drafts tokens for the next
-step by applying the single MTP layer to its own output. The runner reads requests and never
-writes them: everything a step produced is in the returned `StepOutput`.
+the end of its known tokens. They are sampled and verified on the device in one batched pass
+(engine/step_sampling.py). With speculation on, the MTP head then consumes the step's rows
+(keeping its own window in step with the model's) and drafts tokens for the next step by
+applying the single MTP layer to its own output — also on the device: the catch-up forward
+takes every scheduled row (rows past a request's accepted tokens compute MTP window entries
+that are overwritten before anything reads them), the draft forwards are static-shape steps
+whose positions are advanced on the device. The step then reads everything back once (one host
+sync); only when no static MTP shape holds the drafting rows does it read the acceptance counts
+first. The runner reads requests and never writes them: everything a step produced is in the
+returned `StepOutput`.
 """
 
 from __future__ import annotations
@@ -13,13 +19,14 @@ from dataclasses import dataclass
 
 import torch
 
+from . import counter_rng
 from .attention_backend import SequenceBackend, StepSeq
 from .batch import Batch, PromptScores, RequestStepOutput, ScheduledRequest, StepOutput
 from .cuda_graphs import StaticDecodeBackend
 from .kv_cache import KVCache
 from .model import DeepseekV4
-from .sampler import apply_penalties, logprobs_of, ranks_of, sample, to_probs
-from .speculative import verify
+from .sampler import SamplingRows, logprobs_of, probs_device, ranks_of, sample_device
+from .step_sampling import DeviceSample, HostSample, StepSampler, _device_ints, read
 
 
 @dataclass(slots=True)
@@ -28,6 +35,15 @@ class _Pending:
 
     sched: ScheduledRequest
     logit_rows: slice
+
+
+@dataclass
+class _Drafts:
+    """The step's drafts on the device: rows `live` of the pending list."""
+
+    live: list[int]  # indices into pending
+    tokens: torch.Tensor  # [R, num_drafts] int64
+    probs: torch.Tensor | None  # [R, num_drafts, V] (None: every drafting request greedy)
 
 
 class ModelRunner:
@@ -39,8 +55,10 @@ class ModelRunner:
         self.device = model.device
         self.static = static  # the static-shape (CUDA graph) backend; None = always per-sequence
         self.backends = ([static] if static is not None else []) + [SequenceBackend(self.device)]
+        self.sampler = StepSampler(self.device)
         # Test hook replacing MTP drafts (e.g. to force wrong ones): f(request, accepted_now, drafts) -> drafts.
         self.draft_override = None
+        self.num_host_reads = 0  # device → host reads (syncs) issued by steps so far
 
     def _prepare(self, rows: list[StepSeq], kind: str = "model", allow_static: bool = True):
         """The first backend that takes the step (the per-sequence one always does, zero rows too)."""
@@ -79,10 +97,19 @@ class ModelRunner:
         scoring = self._prompt_rows(batch, logit_rows)  # appended after the sampled rows
         allow_static = allow_static and not scoring
         streams, logits = self._prepare(rows, allow_static=allow_static).run(self.model, logit_rows)
-        outputs = self._sample(pending, logits[:n_sampled]) if pending else {}
+        sample = self._sample(pending, logits[:n_sampled]) if pending else None
+        drafts = early = None
         if self.k:
-            self._run_mtp(batch, streams, outputs, num_drafts, lockstep)
-        return StepOutput(outputs, self._score_prompts(scoring, logits[n_sampled:]) if scoring else {})
+            drafts, early = self._run_mtp(batch, streams, pending, sample, num_drafts, lockstep)
+        draft_tokens = drafts.tokens if drafts is not None else None
+        if early is None:
+            host = self._read(sample, draft_tokens)
+        else:  # the acceptance counts were read mid-step (no static MTP shape): now the drafts
+            host = early
+            if draft_tokens is not None:
+                host.drafts = self._read(None, draft_tokens).drafts
+        scores = self._score_prompts(scoring, logits[n_sampled:]) if scoring else {}
+        return StepOutput(self._outputs(pending, host, drafts), scores)
 
     # ---- prompt scoring (SamplingParams.prompt_logprobs) ---------------------------------------
     @staticmethod
@@ -118,128 +145,135 @@ class ModelRunner:
             i += n
         return out
 
-    # ---- sampling and verification ----------------------------------------------------------
-    def _sample(self, pending: list[_Pending], logits: torch.Tensor) -> dict[int, RequestStepOutput]:
-        """Sample every row at once; requests with drafts then verify them row by row."""
-        finite = torch.isfinite(logits).all(dim=-1)
-        bad_rows = set() if bool(finite.all()) else set(torch.nonzero(~finite).flatten().tolist())
-        plain = all(p.sched.num_draft == 0 and p.sched.request.params.greedy
-                    and not p.sched.request.params.has_penalties for p in pending)
-        if plain:  # the common decode case: one argmax over the batch, no per-row distributions
-            probs, tokens = None, logits.argmax(dim=-1).tolist()
-            if not bad_rows and all(p.sched.request.params.logprobs is None for p in pending):
-                return {p.sched.request.request_id: RequestStepOutput([tokens[p.logit_rows.start]]) for p in pending}
-        else:
-            probs, tokens = self._distributions(pending, logits)
+    # ---- sampling and the read back ---------------------------------------------------------------
+    def _sample(self, pending: list[_Pending], logits: torch.Tensor) -> DeviceSample:
+        return self.sampler.sample(pending, logits)
+
+    def _read(self, sample: DeviceSample | None, drafts: torch.Tensor | None) -> HostSample | None:
+        if sample is None and drafts is None:
+            return None
+        self.num_host_reads += 1
+        return read(sample, drafts)
+
+    def _outputs(self, pending: list[_Pending], host: HostSample | None,
+                 drafts: _Drafts | None) -> dict[int, RequestStepOutput]:
         outputs = {}
-        lp_rows, lp_tokens, lp_reqs = [], [], []
-        for pend in pending:
-            req, s = pend.sched.request, pend.sched
-            rows = pend.logit_rows
-            if bad_rows and any(r in bad_rows for r in range(rows.start, rows.stop)):
+        draft_row = {i: r for r, i in enumerate(drafts.live)} if drafts is not None else {}
+        for i, pend in enumerate(pending):
+            req = pend.sched.request
+            if not host.finite[i]:
                 outputs[req.request_id] = RequestStepOutput([], error="non-finite logits")
                 continue
-            if s.num_draft == 0:
-                accepted = [tokens[rows.start]]
-            else:
-                target = probs[rows] if probs is not None else to_probs(logits[rows], [req.params] * (s.num_draft + 1))
-                drafts = req.draft_token_ids[: s.num_draft]
-                draft_probs = req.draft_probs[: s.num_draft] if req.draft_probs is not None else None
-                accepted = verify(target, drafts, draft_probs, req.generator)
-            outputs[req.request_id] = RequestStepOutput(accepted)
-            if req.params.logprobs is not None:
-                lp_rows.extend(range(rows.start, rows.start + len(accepted)))
-                lp_tokens.extend(accepted)
-                lp_reqs.append((req, len(accepted)))
-        if lp_rows:
-            self._attach_logprobs(outputs, logits[lp_rows], lp_tokens, lp_reqs)
+            n = int(host.num_accepted[i]) + 1
+            out = RequestStepOutput([int(t) for t in host.emitted[i, :n]])
+            top = req.params.logprobs
+            if top is not None:
+                out.logprobs = [float(v) for v in host.chosen[i, :n]]
+                out.top_logprobs = [list(zip(host.top_ids[i, j, :top].tolist(), host.top_values[i, j, :top].tolist()))
+                                    if top else [] for j in range(n)]
+            r = draft_row.get(i)
+            if r is not None:
+                proposed = [int(t) for t in host.drafts[r]]
+                if self.draft_override is not None:
+                    proposed = self.draft_override(req, out.accepted, proposed)
+                out.drafts = proposed[: host.drafts.shape[1]]
+                keep = drafts.probs is not None and not (req.params.greedy or self.draft_override)
+                out.draft_probs = drafts.probs[r] if keep else None
+            outputs[req.request_id] = out
         return outputs
 
-    def _distributions(self, pending: list[_Pending], logits: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-        """Per-row sampling distributions (penalties, temperature, top-k/p, min-p) and one draw each."""
-        row_params, history, generators = [], [], []
-        for pend in pending:
-            req, s = pend.sched.request, pend.sched
-            for j in range(1 + s.num_draft):  # row j sees the outputs before it, drafts included
-                row_params.append(req.params)
-                generators.append(req.generator)
-                history.append(req.output_token_ids + req.draft_token_ids[:j] if req.params.has_penalties else [])
-        probs = to_probs(apply_penalties(logits, row_params, history), row_params)
-        return probs, sample(probs, generators).tolist()
-
-    def _attach_logprobs(self, outputs, logits: torch.Tensor, tokens: list[int], reqs) -> None:
-        top_n = max(req.params.logprobs for req, _ in reqs)
-        chosen, top = logprobs_of(logits, torch.tensor(tokens, device=self.device), top_n)
-        i = 0
-        for req, n in reqs:
-            out = outputs[req.request_id]
-            out.logprobs = chosen[i : i + n]
-            out.top_logprobs = [row[: req.params.logprobs] for row in top[i : i + n]]
-            i += n
-
-    # ---- MTP drafting ------------------------------------------------------------------------
-    def _run_mtp(self, batch: Batch, streams: torch.Tensor, outputs: dict[int, RequestStepOutput],
-                 num_drafts: int, lockstep: bool) -> None:
-        """Feed the MTP layer every accepted row of this step, then draft `num_drafts` tokens per
-        request that sampled. Row at position q pairs the target's streams at q with token q + 1."""
-        rows, mtp_rows, drafting = [], [], []
-        begin = offset = 0  # row in the MTP batch / row in the target batch
+    # ---- MTP drafting ------------------------------------------------------------------------------
+    def _run_mtp(self, batch: Batch, streams: torch.Tensor, pending: list[_Pending], sample: DeviceSample | None,
+                 num_drafts: int, lockstep: bool) -> tuple[_Drafts | None, HostSample | None]:
+        """Feed the MTP layer every row of this step (row at position p pairs the target's streams
+        at p with token p + 1: known, or emitted this step), then draft `num_drafts` tokens per
+        request that sampled, from the row of its last accepted token."""
+        if not batch.scheduled and not lockstep:
+            return None, None
+        q_len = sample.emitted.shape[1] if sample is not None else 1
+        pend_index = {p.sched.request.request_id: i for i, p in enumerate(pending)}
+        mtp_rows, known, source, cand = [], [], [], []
+        offset = 0
         for s in batch.scheduled:
+            base, i = s.request.token_ids, pend_index.get(s.request.request_id)
+            for p in range(s.start, s.end):
+                emitted_at = p + 1 - len(base)  # ≥ 0: the token comes from this step's emitted row
+                known.append(base[p + 1] if emitted_at < 0 else 0)
+                source.append(i * q_len + emitted_at if emitted_at >= 0 else -1)
+            mtp_rows.append(StepSeq(s.request.seq, s.start, [0] * s.num_tokens))
+            if i is not None:  # its candidate last-accepted rows: the request's 1 + d logits rows
+                first = offset + s.num_tokens - 1 - s.num_draft
+                cand.append([first + min(j, s.num_draft) for j in range(q_len)])
             offset += s.num_tokens
-            s_offset = offset - s.num_tokens
-            req = s.request
-            out = outputs.get(req.request_id)
-            if out is not None and out.error:
-                continue
-            accepted = out.accepted if out is not None else []
-            n = s.num_tokens - (s.num_draft - max(len(accepted) - 1, 0)) if out is not None else s.num_tokens
-            committed_end = s.start + n  # token at committed_end comes from `accepted`
-            base = req.token_ids
-            next_tokens = [base[q + 1] if q + 1 < len(base) else accepted[q + 1 - len(base)]
-                           for q in range(s.start, s.start + n)]
-            rows.extend(range(s_offset, s_offset + n))
-            mtp_rows.append(StepSeq(req.seq, s.start, next_tokens))
-            if out is not None:
-                drafting.append((req, out, begin + n - 1, committed_end))
-            begin += n
-        if not rows and not lockstep:
-            return
-        last_rows = [row for _, _, row, _ in drafting] if num_drafts else []
-        h, logits = self._prepare(mtp_rows, "mtp").run(self.model, last_rows, inputs=streams[rows])
-        if num_drafts and (drafting or lockstep):  # else the MTP state was kept in step, nothing to propose
-            self._draft(drafting, h, logits, num_drafts, lockstep)
+        tokens = self._next_tokens(known, source, sample)
+        step = self._prepare(mtp_rows, "mtp")
+        step.set_token_ids(tokens)
+        flat = [r for c in cand for r in c]
+        h, logits = step.run(self.model, flat, inputs=streams[:offset])
+        if not num_drafts or not (pending or lockstep):
+            return None, None  # the MTP state was kept in step, nothing to propose
+        return self._draft(pending, h, logits, cand, sample, num_drafts, lockstep)
 
-    def _draft(self, drafting, h: torch.Tensor, logits: torch.Tensor | None, num_drafts: int, lockstep: bool) -> None:
-        live, keep = [], []
-        for j, (req, out, row, committed_end) in enumerate(drafting):
-            # Drafting writes the MTP window up to position committed_end + drafts − 2.
-            if self.cache.allocate(req.seq, committed_end, committed_end + num_drafts):
-                live.append((req, out, row, committed_end))
-                keep.append(j)
+    def _next_tokens(self, known: list[int], source: list[int], sample: DeviceSample | None) -> torch.Tensor:
+        grid = _device_ints([known, source], self.device)
+        if sample is None or not any(s >= 0 for s in source):
+            return grid[0]
+        picked = sample.emitted.flatten()[grid[1].clamp(min=0)].clamp(min=0)  # −1 (past the accepted) → 0
+        return torch.where(grid[1] >= 0, picked, grid[0])
+
+    def _draft(self, pending: list[_Pending], h: torch.Tensor, logits: torch.Tensor | None, cand: list[list[int]],
+               sample: DeviceSample, num_drafts: int, lockstep: bool) -> tuple[_Drafts | None, HostSample | None]:
+        live = []
+        for i, p in enumerate(pending):
+            s = p.sched
+            # Drafting writes the MTP window up to position (committed end) + drafts − 2 < s.end + drafts.
+            if self.cache.allocate(s.request.seq, s.end, s.end + num_drafts):
+                live.append(i)
         if not live and not lockstep:
-            return
-        cur = h[[row for _, _, row, _ in live]]  # [R, n, D] MTP streams at each last accepted row
-        logits = logits[keep] if logits is not None else None
-        params = [req.params for req, *_ in live]
-        drafts: list[list[int]] = [[] for _ in live]
-        probs_per_step = []
-        for step in range(num_drafts):
-            tok_list = []
+            return None, None
+        q_len = len(cand[0]) if cand else 1
+        n_acc = sample.num_accepted[live] if live else None  # [R]
+        at = _device_ints([[cand[i][j] for j in range(q_len)] for i in live], self.device) if live else None
+        rows_h = at.gather(1, n_acc[:, None]).squeeze(1) if live else None  # row of each last accepted token
+        cur = h[rows_h] if live else h[:0]
+        logits = logits.view(len(pending), q_len, -1)[live].gather(
+            1, n_acc[:, None, None].expand(-1, 1, logits.shape[-1])).squeeze(1) if live else None
+        reqs = [pending[i].sched for i in live]
+        # The token after the last accepted one sits at `committed` = s.end − d + n_acc; draft j at committed + j.
+        committed = _device_ints([[s.end - s.num_draft for s in reqs]], self.device)[0] + n_acc if live else None
+        seeds = _device_ints([[self.sampler.seed_of(s.request) for s in reqs]], self.device)[0] if live else None
+        params = [s.request.params for s in reqs]
+        greedy = all(p.greedy for p in params)
+        rows_params = SamplingRows(params, [0] * len(params), [0] * len(params), self.device) if live else None
+        toks, probs_per_step, host = [], [], None
+        for j in range(1, num_drafts + 1):
             if live:
-                probs = to_probs(logits, params)
-                tok = sample(probs, [req.generator for req, *_ in live])
+                probs = probs_device(logits, rows_params)
+                keys = None if greedy else counter_rng.row_keys(seeds, committed + j, counter_rng.DRAFT)
+                toks.append(sample_device(probs, keys))
                 probs_per_step.append(probs)
-                tok_list = tok.tolist()
-                for j, t in enumerate(tok_list):
-                    drafts[j].append(t)
-            if step + 1 == num_drafts:
+            if j == num_drafts:
                 break
-            rows = [StepSeq(req.seq, ce + step, [t]) for (req, _, _, ce), t in zip(live, tok_list)]
-            cur, logits = self._prepare(rows, "mtp").run(self.model, list(range(len(rows))), inputs=cur)
+            step, host = self._draft_step(reqs, committed, j, toks, sample, host, live)
+            cur, logits = step.run(self.model, list(range(len(live))), inputs=cur)  # every row
         if not live:
-            return
-        stacked = torch.stack(probs_per_step, dim=1)  # [R, k, V]
-        for j, (req, out, _, _) in enumerate(live):
-            proposed = drafts[j] if self.draft_override is None else self.draft_override(req, out.accepted, drafts[j])
-            out.drafts = proposed[:num_drafts]
-            out.draft_probs = None if (req.params.greedy or self.draft_override) else stacked[j]
+            return None, host
+        stacked = None if greedy else torch.stack(probs_per_step, dim=1)  # [R, k, V]
+        return _Drafts(live, torch.stack(toks, dim=1), stacked), host
+
+    def _draft_step(self, reqs: list[ScheduledRequest], committed, j: int, toks: list, sample: DeviceSample,
+                    host: HostSample | None, live: list[int]):
+        """The MTP forward producing draft j + 1: row at position committed + j − 1 with draft j.
+        A static 'mtp' shape takes the positions on the device; otherwise they are read first."""
+        rows = [StepSeq(s.request.seq, s.start + 1, [0]) for s in reqs]  # start: the smallest possible
+        step = self.static.prepare(rows, "mtp") if self.static is not None and rows else None
+        if step is not None:
+            step.advance(committed + (j - 1), toks[-1])
+            return step, host
+        if host is None and reqs:  # no static shape for these rows: read the acceptance counts now
+            host = self._read(sample, None)
+        starts = [s.end - s.num_draft + int(host.num_accepted[i]) + j - 1 for s, i in zip(reqs, live)] if reqs else []
+        step = self._prepare([StepSeq(s.request.seq, p, [0]) for s, p in zip(reqs, starts)], "mtp")
+        if reqs:
+            step.set_token_ids(toks[-1])
+        return step, host

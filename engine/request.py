@@ -56,6 +56,8 @@ class Request:
     num_preemptions: int = 0
     # The request's paged KV state (blocks and their views), owned by the KV cache.
     seq: object | None = None
+    # Prefix-cache bookkeeping (engine/prefix_cache.py RequestPrefix); None while caching is off.
+    prefix: object | None = None
     # Seeded requests draw their noise from their own generator, so a seed reproduces the same
     # tokens whatever else shares the batch.
     generator: torch.Generator | None = None

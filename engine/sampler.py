@@ -99,3 +99,75 @@ def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, top_n: int) -> tuple
         return chosen, [[] for _ in chosen]
     values, ids = logp.topk(top_n, dim=-1)
     return chosen, [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+
+
+# ---- on the device, for a whole step at once -------------------------------------------------------
+
+
+class SamplingRows:
+    """Per-row sampling parameters of one step as device tensors [R], plus the host-known facts
+    that choose which ops run (all greedy, any shaping, penalty rows). Built with one host→device
+    copy per dtype; reading nothing back."""
+
+    def __init__(self, params: list[SamplingParams], seeds: list[int], counters: list[int], device,
+                 history: list[list[int]] | None = None):
+        self.num_rows = len(params)
+        self.all_greedy = all(p.greedy for p in params)
+        self.any_shaping = any(p.shapes_distribution and not p.greedy for p in params)
+        self.penalties = [(i, p, history[i]) for i, p in enumerate(params)
+                          if history is not None and p.has_penalties and history[i]]
+        floats = torch.tensor([[p.temperature if not p.greedy else 1.0 for p in params],
+                               [p.top_p for p in params], [p.min_p for p in params]], dtype=torch.float32)
+        ints = torch.tensor([[int(p.greedy) for p in params], [p.top_k for p in params], seeds, counters],
+                            dtype=torch.long)
+        floats, ints = _to_device(floats, device), _to_device(ints, device)
+        self.temperature, self.top_p, self.min_p = floats[0], floats[1], floats[2]  # [R]
+        self.greedy, self.top_k, self.seeds, self.counters = ints[0].bool(), ints[1], ints[2], ints[3]
+
+
+def _to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """Host → device without a blocking copy (pinned staging on CUDA)."""
+    if torch.device(device).type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def probs_device(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
+    """[R, V] logits → [R, V] sampling distributions (to_probs' maths with per-row tensors):
+    one-hot argmax for greedy rows; else penalties, softmax(l / T), then top-k/top-p/min-p."""
+    one_hot = torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    if rows.all_greedy:
+        return one_hot
+    if rows.penalties:  # rare: OpenAI presence/frequency penalties over each row's outputs
+        logits = logits.clone()
+    for i, p, hist in rows.penalties:
+        counts = torch.bincount(_to_device(torch.tensor(hist), logits.device), minlength=logits.shape[-1])
+        counts = counts[: logits.shape[-1]].float()
+        logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+    probs = torch.softmax(logits.float() / rows.temperature[:, None], dim=-1)
+    if rows.any_shaping:
+        probs = shape_rows(probs, rows.top_k, rows.top_p, rows.min_p)
+    return torch.where(rows.greedy[:, None], one_hot, probs)
+
+
+def shape_rows(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """`_shape` with per-row tensors (top_k 0 = off; top_p 1 and min_p 0 keep everything)."""
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    vocab = probs.shape[-1]
+    rank = torch.arange(vocab, device=probs.device)[None, :]
+    k = torch.where(top_k > 0, top_k, vocab)[:, None]
+    drop = (rank >= k) | (sorted_p.cumsum(-1) - sorted_p >= top_p[:, None]) | (sorted_p < min_p[:, None] * sorted_p[:, :1])
+    drop[:, 0] = False
+    sorted_p = sorted_p.masked_fill(drop, 0.0)
+    sorted_p = sorted_p / sorted_p.sum(-1, keepdim=True)
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+
+
+def sample_device(probs: torch.Tensor, keys: torch.Tensor | None) -> torch.Tensor:
+    """One token per row of [R, V] probabilities by the exponential race argmax(p / E) with
+    counter noise E (engine/counter_rng.py) from `keys` [R]; keys None: every row is one-hot."""
+    if keys is None:
+        return probs.argmax(-1)
+    from .counter_rng import exponential
+
+    return (probs / exponential(keys, probs.shape[-1])).argmax(-1)

@@ -3,9 +3,11 @@
 Interface: `add`, `abort`, `schedule() -> Batch`, `update(batch, StepOutput) -> (deltas,
 finishes)`. Running requests go first (oldest first), then waiting ones, under a token budget
 (`max_num_batched_tokens`) and a sequence cap (`max_num_seqs`). When KV blocks run out the
-newest running request is preempted: its blocks are freed and it is recomputed later. The
-scheduler is the only writer of request state. No CUDA here; it is tested with hand-made step
-outputs.
+newest running request is preempted: its blocks are freed and it is recomputed later. With a
+prefix cache (engine/prefix_cache.py) an admitted request starts on the cached blocks of its
+longest cached prefix, and every step's completed blocks become cached for later requests
+(a preempted request usually resumes from its own). The scheduler is the only writer of
+request state. No CUDA here; it is tested with hand-made step outputs.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from ipc.messages import Finished, PromptLogprobs, TokenDelta
 
 from .batch import Batch, ScheduledRequest, StepOutput
 from .kv_cache import KVCache
+from .prefix_cache import Hit, PrefixCache
 from .request import FinishReason, Request, RequestError, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -39,9 +42,11 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, cache: KVCache, eos_token_ids: tuple[int, ...] = ()):
+    def __init__(self, config: SchedulerConfig, cache: KVCache, eos_token_ids: tuple[int, ...] = (),
+                 prefix_cache: PrefixCache | None = None):
         self.config = config
         self.cache = cache
+        self.prefix = prefix_cache
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -91,18 +96,24 @@ class Scheduler:
             total = known + len(req.draft_token_ids)
             start = req.num_computed_tokens
             n = min(total - start, budget)
-            if not allocate(req.seq.table, start, start + n) and not self._preempt_until_fits(req, n, batch):
+            if not allocate(req.seq.table, start, start + n, True) and not self._preempt_until_fits(req, n, batch):
                 break  # req itself was preempted; everything after it was too
             scheduled.append(ScheduledRequest(req, start, n, max(0, start + n - known), start + n == total))
             budget -= n
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not batch.preempted:
             req = self.waiting[0]
-            n = min(len(req.token_ids) - req.num_computed_tokens, budget)
             if req.seq is None:
                 req.seq = self.cache.new_sequence()
-            if not self.cache.allocate(req.seq, req.num_computed_tokens, req.num_computed_tokens + n):
+            hit = self._adopt_prefix(req)
+            start = req.num_computed_tokens
+            n = min(len(req.token_ids) - start, budget)
+            if not allocate(req.seq.table, start, start + n, True):
+                if hit is not None:
+                    self.prefix.undo(req)
                 break  # wait for blocks to come back
+            if self.prefix is not None:
+                self.prefix.admitted(req, hit)
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             if req.scheduled_time is None:
@@ -112,6 +123,17 @@ class Scheduler:
             budget -= n
         return batch
 
+    def _adopt_prefix(self, req: Request) -> Hit | None:
+        """Start a request that holds no blocks on its longest usable cached prefix."""
+        if self.prefix is None or req.num_computed_tokens or req.seq.table.full:
+            return None
+        if req.params.prompt_logprobs is not None and not req.prompt_scores_sent:
+            return None  # scoring needs the logits of every prompt position: compute them (as vLLM does)
+        hit = self.prefix.match(req)
+        if hit is not None:
+            self.prefix.adopt(req, hit)
+        return hit
+
     def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
         start = req.num_computed_tokens
         known = len(req.token_ids)
@@ -120,7 +142,7 @@ class Scheduler:
     def _preempt_until_fits(self, req: Request, n: int, batch: Batch) -> bool:
         """Preempt the newest running requests until `req`'s next n tokens fit; False if req itself went."""
         start = req.num_computed_tokens
-        while not self.cache.allocate(req.seq, start, start + n):
+        while not self.cache.manager.allocate(req.seq.table, start, start + n, True):
             victim = self.running.pop()
             self._preempt(victim)
             batch.preempted.append(victim)
@@ -147,6 +169,7 @@ class Scheduler:
         deltas: list[TokenDelta] = []
         finished: list[Finished] = []
         outputs = step.outputs
+        prefix = self.prefix
         for s in batch.scheduled:
             req = s.request
             if req.is_finished:  # aborted while the step ran
@@ -156,6 +179,8 @@ class Scheduler:
             if scores is not None and scores.first == len(req.prompt_scores) + 1:  # contiguous (a recompute skips)
                 req.prompt_scores.extend(zip(scores.logprobs, scores.ranks, scores.top_logprobs))
             if not s.reaches_end:
+                if prefix is not None:
+                    prefix.on_computed(req)
                 continue
             out = outputs[req.request_id]
             if out.error is not None:
@@ -167,6 +192,8 @@ class Scheduler:
             req.draft_token_ids = []
             req.draft_probs = None
             taken, reason = self._append(req, out.accepted)
+            if prefix is not None:
+                prefix.on_computed(req)
             delta = TokenDelta(req.request_id, out.accepted[:taken])
             if req.params.logprobs is not None:
                 delta = TokenDelta(req.request_id, delta.token_ids, out.logprobs[:taken],
@@ -202,13 +229,15 @@ class Scheduler:
         req.finish_reason = reason
         req.draft_token_ids = []
         req.draft_probs = None
-        self._release(req)
+        self._release(req, failed=reason is FinishReason.ERROR)
         self.requests.pop(req.request_id, None)
         return Finished(req.request_id, reason.value, req.num_prompt_tokens, req.num_output_tokens, req.error,
                         error_code, req.queued_s)
 
-    def _release(self, req: Request) -> None:
+    def _release(self, req: Request, failed: bool = False) -> None:
         if req.seq is not None:
+            if self.prefix is not None:
+                self.prefix.release(req, failed)
             self.cache.free(req.seq)
 
 

@@ -467,6 +467,10 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloat16, devic
         raise ValueError(f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {weight_dtype!r}")
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_model_dir(model_dir)
+    if cfg.arch == "v41":  # DeepSeek-V4.1: its own model (bf16 activations by definition) and names
+        from .v41.weights import load_v41
+
+        return load_v41(model_dir, device, progress, load_mtp, weight_dtype, experts)
     ckpt = _Checkpoint(shard_files(model_dir))
     layout = detect_layout(list(ckpt.location))
     has_mtp = any(n.startswith("mtp.") for n in ckpt.location)

@@ -22,7 +22,7 @@ from typing import Callable
 from ipc.messages import INT64_MAX, Finished, SamplingParams, StepOutputs
 
 from .engine import Engine
-from .lockstep import IDLE_POLL_S, Lockstep, StepPlan
+from .lockstep import IDLE_PARK_S, Lockstep, StepPlan
 from .request import RequestError
 
 logger = logging.getLogger(__name__)
@@ -51,19 +51,21 @@ class Worker:
         gc.callbacks.append(self._on_gc)
 
     # ---- commands (call from the worker's event loop thread) ------------------------------
-    def submit(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self._commands.append(("submit", request_id, prompt_token_ids, params))
-        self._wake()
+    def submit(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams,
+               kv_transfer_params=None) -> None:
+        self._commands.append(("submit", request_id, prompt_token_ids, params, kv_transfer_params))
+        self.wake()
 
     def abort(self, request_ids: list[int]) -> None:
         self._commands.append(("abort", request_ids))
-        self._wake()
+        self.wake()
 
     def stop(self) -> None:
         self._stopping = True
-        self._wake()
+        self.wake()
 
-    def _wake(self) -> None:
+    def wake(self) -> None:
+        """Run the loop now (a command arrived, or a parked group's peer got work)."""
         if self._wakeup is not None:
             self._wakeup.set()
 
@@ -72,9 +74,9 @@ class Worker:
         while self._commands:
             cmd = self._commands.popleft()
             if cmd[0] == "submit":
-                _, rid, ids, params = cmd
+                _, rid, ids, params, kv = cmd
                 try:
-                    self.engine.add_request(rid, ids, params)
+                    self.engine.add_request(rid, ids, params, kv)
                 except RequestError as exc:  # an invariant the edge should have enforced: refuse, don't crash
                     finished.append(Finished(rid, "error", len(ids), 0, str(exc), 400))
             else:
@@ -117,7 +119,7 @@ class Worker:
                 self._idle_collect = False
                 self._wakeup.clear()
                 if not self._commands and not self._stopping:
-                    await self._wakeup.wait()
+                    await self._idle_wait()
                 continue
             start = time.perf_counter()
             if last_step_end is not None:
@@ -131,12 +133,33 @@ class Worker:
             last_step_end = time.perf_counter()
             await asyncio.sleep(0)  # let submits/aborts in before the next schedule
 
+    async def _idle_wait(self) -> None:
+        """Wait for a command. [kv-connector] With a KV connector, tick it meanwhile: a prefill
+        answers handshakes and lease renewals, a decode finishes its transfers."""
+        connector = self.engine.connector
+        if connector is None:
+            await self._wakeup.wait()
+            return
+        while not self._wakeup.is_set() and not self.engine.has_work:
+            out = self.engine.kv_tick()
+            if out is not None:
+                self.emit(out)
+            if self.engine.has_work:
+                return
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), connector.poll_interval())
+            except TimeoutError:
+                pass
+
     async def _run_lockstep(self, lockstep: Lockstep) -> None:
         """The loop of one rank of an expert-parallel group: agree, then all step (or all idle)."""
         self._wakeup = asyncio.Event()
         engine = self.engine
         while True:
             self._apply_commands()
+            loaded = engine.kv_tick()  # [kv-connector] transfers finished since the last iteration
+            if loaded is not None:
+                self.emit(loaded)
             batch = engine.scheduler.schedule()
             wish = StepPlan(bool(batch), engine.draft_wish(batch) if batch else 0, bool(batch) and
                             engine.runner.static_ok(batch), self._stopping)
@@ -146,8 +169,9 @@ class Worker:
             if not plan.has_work:  # every rank is idle: wait for work here (or a peer's), then agree again
                 self._wakeup.clear()
                 if not self._commands:
+                    poll = IDLE_PARK_S if engine.connector is None else min(IDLE_PARK_S, engine.connector.poll_interval())
                     try:
-                        await asyncio.wait_for(self._wakeup.wait(), IDLE_POLL_S)
+                        await asyncio.wait_for(self._wakeup.wait(), poll)
                     except TimeoutError:
                         pass
                 continue

@@ -24,12 +24,13 @@ import time
 import torch
 
 from ipc import (Abort, Heartbeat, IpcError, RingReader, RingTimeout, RingWriter, Shutdown, StepOutputs, Submit,
-                 WorkerReady, decode, encode)
+                 Wake, WorkerReady, decode, encode)
 from ipc.errors import MessageTooLarge
 from ipc.loop import new_event_loop
 
 from .config import ConfigError, EngineConfig, ModelConfig, ParallelConfig
 from .engine import Engine, default_dtype
+from .kv_connector import attach_connector
 from .lockstep import Lockstep, join_group
 from .distributed import RendezvousError
 from .expert_parallel import ExpertParallel, experts_to_load, initial_placement
@@ -81,6 +82,7 @@ def worker_main(args, device: str = "cpu") -> None:
     outbox = Outbox(writer)
     heartbeat: HeartbeatThread | None = None
     group = None
+    engine = None
     try:
         config = EngineConfig.from_json(args.engine_config)
         parallel = ParallelConfig.from_json(args.parallel_config)
@@ -88,6 +90,7 @@ def worker_main(args, device: str = "cpu") -> None:
             group = join_group(rank, parallel, args.master_port, args.generation)
         model, ep = _load(args.model_dir, config, parallel, device, group)
         engine = Engine(model, config)
+        attach_connector(engine, rank)  # [kv-connector] --kv-transfer: NIXL agent, pools registered
         worker = Worker(engine, outbox.send, Lockstep(group, ep, parallel) if group is not None else None)
         worker.warm_up()
         heartbeat = HeartbeatThread(rank, worker, status)
@@ -110,6 +113,8 @@ def worker_main(args, device: str = "cpu") -> None:
     finally:
         if heartbeat is not None:
             heartbeat.stop()
+        if engine is not None and engine.connector is not None:  # [kv-connector] leases, loads, NIXL agent
+            engine.connector.close()
         if group is not None:
             group.close()
         requests.close()
@@ -174,9 +179,11 @@ async def _drain(worker: Worker, reader: RingReader, name: str) -> None:
         except IpcError as exc:
             raise RingFailure(f"{name}: {type(exc).__name__}: {exc}") from None
         if isinstance(msg, Submit):
-            worker.submit(msg.request_id, msg.prompt_token_ids, msg.params)
+            worker.submit(msg.request_id, msg.prompt_token_ids, msg.params, msg.kv_transfer_params)
         elif isinstance(msg, Abort):
             worker.abort(msg.request_ids)
+        elif isinstance(msg, Wake):
+            worker.wake()
         elif isinstance(msg, Shutdown):
             worker.stop()
             return
@@ -217,11 +224,14 @@ class HeartbeatThread(threading.Thread):
         worker, engine = self.worker, self.worker.engine
         sched, st, blocks = engine.scheduler, engine.stats, engine.cache.manager.full
         ep = worker.lockstep.ep if worker.lockstep is not None else None
+        pc = engine.prefix_cache
         return Heartbeat(self.rank, worker.stats.steps, worker.step_started_at, engine.model.layers_run,
                          len(sched.running), len(sched.waiting), blocks.num_used, blocks.num_blocks, time.time(),
                          sched.num_preemptions, st.spec_drafts, st.spec_draft_tokens,
                          list(st.spec_accepted_per_position), worker.stats.max_loop_pause_s,
-                         list(ep.last_imbalance) if ep is not None else [], ep.rebalances if ep is not None else 0)
+                         list(ep.last_imbalance) if ep is not None else [], ep.rebalances if ep is not None else 0,
+                         engine.connector.last_stats if engine.connector is not None else None,  # [kv-connector]
+                         pc.stats.queries if pc is not None else 0, pc.stats.hits if pc is not None else 0)
 
     def stop(self) -> None:
         self._stop_event.set()

@@ -21,6 +21,7 @@ from ipc.messages import (
     StepOutputs,
     Submit,
     TokenDelta,
+    Wake,
     WorkerReady,
 )
 from ipc.ring import RingConfig, RingReader, RingStats, RingWriter
@@ -29,6 +30,6 @@ from ipc.segment import remove_orphans
 __all__ = [
     "Abort", "CorruptSlot", "DecodeError", "EncodeError", "Finished", "Heartbeat", "InvalidField", "IpcError",
     "Message", "MessageTooLarge", "PeerDied", "RingClosed", "RingConfig", "RingError", "RingReader", "RingStats",
-    "RingTimeout", "RingWriter", "SamplingParams", "Shutdown", "StepOutputs", "Submit", "TokenDelta", "WorkerReady",
+    "RingTimeout", "RingWriter", "SamplingParams", "Shutdown", "StepOutputs", "Submit", "TokenDelta", "Wake", "WorkerReady",
     "check", "decode", "encode", "remove_orphans",
 ]

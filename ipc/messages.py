@@ -16,6 +16,8 @@ from typing import Annotated, Literal, Union
 
 from msgspec import Meta, Struct
 
+from engine.kv_transfer.protocol import KVTransferParams  # msgspec only: no torch, no NIXL
+
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -26,6 +28,7 @@ Int64 = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]
 Seconds = Annotated[float, Meta(ge=0.0)]
 MAX_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 64
+MAX_CACHE_SALT = 256
 FINISH_REASONS = ("stop", "length", "abort", "error")
 FinishReason = Literal["stop", "length", "abort", "error"]
 TopLogprobs = list[list[tuple[int, float]]]  # per generated token: [(token_id, logprob), ...]
@@ -49,6 +52,8 @@ class SamplingParams(Struct, frozen=True, array_like=True):
     # Scoring: also the log-probability of every prompt token after the first (None = not
     # asked; N = each token + its top N), sent once with the request's first delta.
     prompt_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    # Prefix-cache tenant: requests share cached KV only with requests of the same salt (vLLM's name).
+    cache_salt: Annotated[str, Meta(min_length=1, max_length=MAX_CACHE_SALT)] | None = None
 
     @property
     def greedy(self) -> bool:
@@ -69,6 +74,8 @@ class Submit(Struct, frozen=True, array_like=True, tag=1):
     request_id: RequestId
     prompt_token_ids: list[TokenId]
     params: SamplingParams
+    # PD disaggregation: leg 1 (do_remote_decode) or leg 2 (do_remote_prefill, where the KV is).
+    kv_transfer_params: KVTransferParams | None = None
 
 
 class Abort(Struct, frozen=True, array_like=True, tag=2):
@@ -89,6 +96,9 @@ class PromptLogprobs(Struct, frozen=True, array_like=True):
     logprobs: list[float]  # log p(prompt[i] | prompt[:i]) for i = 1 … P−1
     ranks: list[Count]  # 1 = the most likely token
     top_logprobs: TopLogprobs  # per scored token: [(token_id, logprob), ...], SamplingParams.prompt_logprobs long
+class Wake(Struct, frozen=True, array_like=True, tag=7):
+    """A peer of this rank's expert-parallel group got work while the group was parked: join the
+    next agreement now (sent on the control ring by the engine client)."""
 
 
 class TokenDelta(Struct, frozen=True, array_like=True):
@@ -112,6 +122,8 @@ class Finished(Struct, frozen=True, array_like=True):
     error: str | None = None
     error_code: Annotated[int, Meta(ge=0, le=599)] = 0
     queued_s: Seconds = 0.0  # from arrival in the worker to its first scheduled step
+    # A prefill for a remote decode: where its KV is held (the HTTP response's kv_transfer_params).
+    kv_transfer_params: KVTransferParams | None = None
 
 
 class StepOutputs(Struct, frozen=True, array_like=True, tag=4):
@@ -157,9 +169,41 @@ class Heartbeat(Struct, frozen=True, array_like=True, tag=6):
     # window (empty without EP), and how many times the placement was rebalanced.
     expert_imbalance: list[Annotated[float, Meta(ge=0.0)]] = []
     eplb_rebalances: Count = 0
+    kv_transfer: KVTransferStats | None = None  # PD disaggregation (None: no --kv-transfer)
+    # Prefix cache (cumulative, tokens): prompt tokens queried and those served from the cache.
+    prefix_cache_queries: Count = 0
+    prefix_cache_hits: Count = 0
 
 
-ToWorker = Union[Submit, Abort, Shutdown]
+class KVTransferStats(Struct, frozen=True, array_like=True):
+    """A rank's KV connector (PD disaggregation): what it holds now and cumulative counters."""
+
+    role: str
+    engine_id: str  # its NIXL agent name
+    port: Count  # its NIXL listener (0: decode only, ephemeral)
+    leases: Count  # prefill: requests whose blocks wait for a decode
+    held_blocks: Count  # blocks those leases (and loads) hold
+    loads: Count  # decode: requests waiting for remote KV
+    peers: list[str]  # prefill engines this rank READs from
+    served: list[str]  # decode engines that READ from this rank
+    connecting: Count
+    pending_transfers: Count
+    held: Count = 0
+    released: Count = 0
+    expired: Count = 0
+    loaded: Count = 0
+    failed: Count = 0
+    digest_failures: Count = 0
+    recomputed: Count = 0
+    bytes_read: Count = 0
+    read_s: Seconds = 0.0
+    last_connect_s: Seconds = 0.0
+    last_read_s: Seconds = 0.0
+    last_verify_s: Seconds = 0.0
+    last_bytes: Count = 0
+
+
+ToWorker = Union[Submit, Abort, Shutdown, Wake]
 FromWorker = Union[WorkerReady, Heartbeat, StepOutputs, Shutdown]
-Message = Union[Submit, Abort, Shutdown, StepOutputs, WorkerReady, Heartbeat]
-MESSAGE_TYPES: tuple[type, ...] = (Submit, Abort, Shutdown, StepOutputs, WorkerReady, Heartbeat)
+Message = Union[Submit, Abort, Shutdown, Wake, StepOutputs, WorkerReady, Heartbeat]
+MESSAGE_TYPES: tuple[type, ...] = (Submit, Abort, Shutdown, Wake, StepOutputs, WorkerReady, Heartbeat)

@@ -6,7 +6,8 @@ re-check, then sleep in ``select`` (or an asyncio reader) on my doorbell FIFO an
 for at most ``park_tick_s`` at a time and never past the deadline. The peer, after its own store that
 could end my wait, does a full fence and reads my ``parked`` word; if set, it rings my doorbell.
 With the fences, one of the two sees the other's store (Dekker), so no wake-up is lost; the tick is a
-safety net, and a tick that finds the condition true without a doorbell is counted as ``lost_wakeups``.
+safety net, and a tick that finds the condition true with no doorbell following within a short grace
+(the peer may be descheduled between its store and its ring) is counted as ``lost_wakeups``.
 """
 from __future__ import annotations
 
@@ -156,7 +157,8 @@ class RingEndpoint:
                     if ready():  # the common wake-up: no need to re-arm first
                         return
                 elif not readable and ready():
-                    self._note_lost_wakeup()
+                    if not self._doorbell_follows():
+                        self._note_lost_wakeup()
                     return
         finally:
             self._i[self.OFF_PARKED // 4] = 0
@@ -177,7 +179,8 @@ class RingEndpoint:
                     await asyncio.wait_for(event.wait(), max(wait_s, 0.0))
                 except TimeoutError:
                     if ready():
-                        self._note_lost_wakeup()
+                        if not (event.is_set() or self._doorbell_follows()):
+                            self._note_lost_wakeup()
                         return
                     continue
                 if ready():
@@ -249,6 +252,15 @@ class RingEndpoint:
 
     def _check_epoch(self) -> None:
         """Overridden by the reader: the writer's epoch must never change."""
+
+    def _doorbell_follows(self, grace_s: float = 0.05) -> bool:
+        """After a tick found work: did the peer ring after all (it may have been descheduled
+        between its store and its doorbell)? Only a doorbell that never comes is a lost wake-up."""
+        bell = self._bell_mine.fileno()
+        readable, _, _ = select.select([bell], [], [], grace_s)
+        if readable and self._registered_loop is None:
+            self._bell_mine.drain()  # the loop's reader drains it when one is registered
+        return bool(readable)
 
     def _note_lost_wakeup(self) -> None:
         self.stats.lost_wakeups += 1

@@ -5,6 +5,9 @@ arguments; CUDA tensors need the GPU toolkit, never falling back to the CPU path
 - KV cache and MoE routing: CUDA -> CuPy RawModule kernels (kernels/cuda/*.cu), CPU -> numba.
 - Quantized GEMMs (FP8 block-scaled / packed FP4 weights) and activation fake-quantization:
   CUDA -> Triton (kernels/triton/quant_gemm.py), CPU -> numba tile decode + torch mm.
+- The fused decode step (mHC, norm + RoPE + KV store, compressor, indexer top-k, sparse MLA
+  attention, MoE glue): CUDA -> Triton (kernels/triton/*.py), CPU -> kernels/cpu_decode.py;
+  ``devices.triton_on_cpu()`` runs the Triton kernels on CPU tensors under the interpreter.
 Semantics are defined by ``kernels.reference``; KV record layouts and numeric rules by
 ``kernels.formats``.
 """
@@ -13,13 +16,14 @@ from __future__ import annotations
 import torch
 
 from kernels import cpu_kv, cpu_quant_gemm, cpu_routing
-from kernels.devices import backend
+from kernels.devices import backend, decode_backend
 from kernels.formats import FORMAT_NAMES, KVFormat, get_format
 from kernels.reference import ACT_GROUP, FP4_GROUP
 
 __all__ = ["FORMAT_NAMES", "KVFormat", "get_format", "quantize", "dequantize", "quantize_scatter",
            "gather_dequantize", "route", "permute", "act_quant_fp8", "fp8_linear", "fp4_linear",
-           "fp8_grouped_mm", "fp4_grouped_mm"]
+           "fp8_grouped_mm", "fp4_grouped_mm", "norm_rope", "mhc_mix", "mhc_expand", "compressor_step",
+           "indexer_topk", "sparse_mla_decode", "gather_rows", "swiglu", "moe_combine"]
 
 
 def _cupy(op: str, **tensors: torch.Tensor | None) -> bool:
@@ -147,3 +151,84 @@ def fp4_grouped_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, o
         from kernels.triton import quant_gemm
         return quant_gemm.fp4_grouped_mm(x, packed, scale, offsets, act_quant, out_dtype, group, act_group)
     return cpu_quant_gemm.fp4_grouped_mm(x, packed, scale, offsets, act_quant, out_dtype, group, act_group)
+
+
+# ---- the fused decode step ------------------------------------------------------------------
+# Signatures and semantics: the Triton modules (each pairs its kernel with a torch reference).
+
+def _decode_impl(op: str, module: str, **tensors: torch.Tensor | None):
+    """The module implementing a fused decode op for these tensors."""
+    if decode_backend(op, **tensors) == "triton":
+        import importlib
+
+        return importlib.import_module(f"kernels.triton.{module}")
+    from kernels import cpu_decode
+
+    return cpu_decode
+
+
+def norm_rope(x: torch.Tensor, norm: int = 0, weight: torch.Tensor | None = None, eps: float = 1e-6,
+              cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, inverse: bool = False,
+              dtype: torch.dtype | None = None, pre_round: bool = False, pool: torch.Tensor | None = None,
+              pool_fmt: str = "fp32", slots: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-head RMSNorm (none / weighted / head) + interleaved RoPE (+ a KV record store)."""
+    return _decode_impl("norm_rope", "norm_rope", x=x, pool=pool).norm_rope(
+        x, norm, weight, eps, cos, sin, inverse, dtype, pre_round, pool, pool_fmt, slots)
+
+
+def mhc_mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, sinkhorn_iters: int,
+            hc_eps: float, norm_eps: float, collapse: bool = False, norm_weight: torch.Tensor | None = None,
+            out_eps: float = 1e-6) -> tuple[torch.Tensor, ...]:
+    """mHC (pre, post, comb) with every Sinkhorn iteration, + the collapse (+ the block's RMSNorm)."""
+    return _decode_impl("mhc_mix", "mhc_mix", streams=streams).mhc_mix(
+        streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, collapse, norm_weight=norm_weight,
+        out_eps=out_eps)
+
+
+def mhc_expand(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """H'_k = post_k · y + Σ_j comb[j, k] · H_j -> [T, n, D]."""
+    return _decode_impl("mhc_expand", "mhc_expand", streams=streams, y=y).mhc_expand(streams, y, post, comb)
+
+
+def compressor_step(rows: torch.Tensor, state_pool: torch.Tensor, row_slots: torch.Tensor, entry_pool: torch.Tensor,
+                    entry_fmt: str, entry_slots: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                    cos: torch.Tensor, sin: torch.Tensor, ratio: int, overlap: bool,
+                    dtype: torch.dtype = torch.float32, ape: torch.Tensor | None = None,
+                    positions: torch.Tensor | None = None) -> None:
+    """Append the step's compressor rows and write the entries they complete."""
+    return _decode_impl("compressor_step", "compressor_step", rows=rows, state_pool=state_pool).compressor_step(
+        rows, state_pool, row_slots, entry_pool, entry_fmt, entry_slots, norm_weight, eps, cos, sin, ratio, overlap,
+        dtype, ape, positions)
+
+
+def indexer_topk(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor, fmt: str, block_table: torch.Tensor,
+                 lengths: torch.Tensor, positions: torch.Tensor, ratio: int, topk: int,
+                 max_entries: int | None = None, weight_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each decode query's top-k index entries over its real length -> (entries, slots) [B, q, k]."""
+    return _decode_impl("indexer_topk", "indexer_topk", q=q, pool=pool).indexer_topk(
+        q, weights, pool, fmt, block_table, lengths, positions, ratio, topk, max_entries, weight_scale=weight_scale)
+
+
+def sparse_mla_decode(q: torch.Tensor, sink: torch.Tensor, window_pool: torch.Tensor, window_fmt: str,
+                      window_slots: torch.Tensor, entry_pool: torch.Tensor | None = None, entry_fmt: str = "fp32",
+                      entry_slots: torch.Tensor | None = None, new_kv: torch.Tensor | None = None,
+                      scale: float | None = None) -> torch.Tensor:
+    """Sink attention over window + picked entries (+ the step's keys) read from the pools."""
+    return _decode_impl("sparse_mla_decode", "sparse_mla_decode", q=q, window_pool=window_pool).sparse_mla_decode(
+        q, sink, window_pool, window_fmt, window_slots, entry_pool, entry_fmt, entry_slots, new_kv, scale)
+
+
+def gather_rows(x: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
+    """x [T, H] -> [T·k, H]: row i is x[order[i] // k]."""
+    return _decode_impl("gather_rows", "moe_ops", x=x, order=order).gather_rows(x, order, k)
+
+
+def swiglu(h: torch.Tensor, limit: float, row_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Clamped SwiGLU of h [S, 2I] = [gate | up] -> [S, I]."""
+    return _decode_impl("swiglu", "moe_ops", h=h).swiglu(h, limit, row_weight)
+
+
+def moe_combine(y: torch.Tensor, weights: torch.Tensor, inverse: torch.Tensor, shared: torch.Tensor | None,
+                dtype: torch.dtype) -> torch.Tensor:
+    """Weight, unpermute and sum the k expert outputs per token (+ the shared expert) -> [T, H]."""
+    return _decode_impl("moe_combine", "moe_ops", y=y, inverse=inverse).moe_combine(y, weights, inverse, shared, dtype)

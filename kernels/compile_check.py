@@ -14,7 +14,21 @@ from pathlib import Path
 from kernels.cuda_names import NAME_EXPRESSIONS
 from kernels.loader import compile_options, cuda_sources, source_text
 
-ARCHS = ("sm_90", "sm_100a")
+TARGETS = ("sm_90", "sm_100a", "sm_103a")  # H100/H200, B200, B300
+
+
+def supported_archs() -> tuple[str, ...]:
+    """The targets this NVRTC can build (sm_103 needs CUDA 12.9+); all of them on CUDA 13."""
+    try:
+        import cupy.cuda
+
+        have = {f"sm_{a}" for a in cupy.cuda.nvrtc.getSupportedArchs()}
+    except Exception:  # noqa: BLE001 - an NVRTC without the query: assume every target
+        return TARGETS
+    return tuple(t for t in TARGETS if t.rstrip("a") in have)
+
+
+ARCHS = supported_archs()
 
 
 class CompileError(RuntimeError):
@@ -40,12 +54,27 @@ def nvrtc_compile(path: Path, arch: str) -> str:
 
 
 def nvcc_compile(path: Path, arch: str, nvcc: str) -> None:
-    """Device-only compile with the toolkit's own headers (checks non-template code)."""
+    """Device-only compile with the toolkit's own headers, every instantiation included."""
+    nvcc_fatbin(path, (arch,), nvcc)
+
+
+def nvcc_fatbin(path: Path, archs: tuple[str, ...], nvcc: str) -> bytes:
+    """One fatbin of `path` for every arch in `archs`, built by nvcc with its toolkit's headers.
+
+    nvcc compiles a template only where it is used, so a wrapper includes the file and takes the
+    address of each registered instantiation (NAME_EXPRESSIONS): the same kernels NVRTC builds."""
+    names = NAME_EXPRESSIONS.get(path.stem, ())
+    refs = ", ".join(f"(const void*)&{name}" for name in names)
+    wrapper = f'#include "{path}"\n' + (f"const void* const ringserve_instances[] = {{{refs}}};\n" if names else "")
+    gencode = [f"-gencode=arch=compute_{a[3:]},code={a}" for a in archs]
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [nvcc, "-std=c++17", f"-arch={arch}", "-cubin", "-o", str(Path(tmp) / "out.cubin"), str(path)]
+        src, out = Path(tmp) / f"{path.stem}_all.cu", Path(tmp) / "out.fatbin"
+        src.write_text(wrapper)
+        cmd = [nvcc, "-std=c++17", *gencode, "-fatbin", "-o", str(out), str(src)]
         done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode:
-        raise CompileError(f"{path.name} ({arch}, nvcc): {done.stdout}{done.stderr}")
+        if done.returncode:
+            raise CompileError(f"{path.name} ({', '.join(archs)}, nvcc): {done.stdout}{done.stderr}")
+        return out.read_bytes()
 
 
 def main() -> int:

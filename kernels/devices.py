@@ -10,6 +10,7 @@ is ordered with the torch work around it (CUDA graphs, side streams).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import importlib
 from collections.abc import Iterator, Mapping
@@ -66,3 +67,32 @@ def cupy_launch(t: torch.Tensor) -> Iterator[None]:
     stream = torch.cuda.current_stream(index)
     with cupy.cuda.Device(index), cupy.cuda.ExternalStream(stream.cuda_stream, index):
         yield
+
+
+# ---- the fused decode kernels' backend -------------------------------------------------------------
+
+_TRITON_ON_CPU = contextvars.ContextVar("ringserve_triton_on_cpu", default=False)
+
+
+@contextlib.contextmanager
+def triton_on_cpu() -> Iterator[None]:
+    """Run the fused decode ops' Triton kernels on CPU tensors (Triton's interpreter): how tests
+    and perf/bench_gpu_ops.py exercise the GPU path without a GPU. TRITON_INTERPRET=1 must have
+    been set before the first Triton import."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("triton_on_cpu needs TRITON_INTERPRET=1 set before Triton is imported")
+    token = _TRITON_ON_CPU.set(True)
+    try:
+        yield
+    finally:
+        _TRITON_ON_CPU.reset(token)
+
+
+def decode_backend(op: str, **tensors: torch.Tensor | None) -> str:
+    """'triton' or 'cpu' for a fused decode op: CUDA tensors run Triton, CPU tensors the CPU
+    kernels (kernels/cpu_decode.py) unless inside `triton_on_cpu`."""
+    if backend(op, "triton", **tensors) == "cuda" or _TRITON_ON_CPU.get():
+        return "triton"
+    return "cpu"

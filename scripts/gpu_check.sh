@@ -1,23 +1,54 @@
 #!/usr/bin/env bash
-# The one device run for a task that is lent a GPU: the gpu-marked tests, then the graph and kernel
-# benchmarks, each log under $OUT (or ./gpu_out). Installs nothing: it uses the machine's python3
-# (torch + CuPy), with this checkout on PYTHONPATH. Usage: scripts/gpu_check.sh [bench seconds cap]
-#
-# It cannot pass by accident: the exit status is non-zero when any GPU test fails or errors, or
-# when none ran or any was skipped (on a GPU machine every gpu test must run). Graph replay vs
-# eager is one of those tests (logits under teacher forcing, tests/engine/test_cuda_graphs_gpu.py),
-# as is replay vs the uncaptured static path, bit for bit; a benchmark that fails exits non-zero too.
+# The one device run for a task that is lent a GPU (one H200; no network; the image's torch
+# 2.11+cu130 and cupy-cuda13x, CUDA 13 headers). Installs nothing: the machine's python3 with this
+# checkout on PYTHONPATH. Everything lands under $OUT (or ./gpu_out); the summary is table.txt.
+#   scripts/gpu_check.sh [seconds cap of the step benchmark, default 150]
+# Worst case by the timeouts: 60 + 60 + 200 + 150 + 90 s, under 8 minutes.
+# Steps, each with its own timeout so the whole run stays under 8 minutes:
+#   1. device + toolchain facts; the kernel loader's CUDA headers (must be CUDA 13 for NVRTC 13)
+#   2. the .cu kernels build for sm_90, sm_100a and sm_103a (NVRTC, and nvcc when present)
+#   3. every gpu-marked test: kernel parity vs the references (CuPy kernels), the compiled fused
+#      decode step vs the static torch path, CUDA graph replay vs eager logits (teacher forcing)
+#      and vs the uncaptured static path (bit for bit), one host sync per captured step
+#      (torch.cuda.set_sync_debug_mode)
+#   4. decode step time at batch 1/32/128 x context 4k/64k (small preset, captured), its split by
+#      component, launches per step (torch.profiler), KV and MoE bandwidth vs the copy bandwidth
+#   5. launches per layer and KV bytes read vs needed, counted (perf/bench_gpu_ops.py)
+# It cannot pass by accident: non-zero when any test fails or errors, when none ran or any was
+# skipped (on a GPU machine every gpu test must run), or when any step fails or times out.
 set -uo pipefail
 out=${OUT:-gpu_out}
 mkdir -p "$out"
 cap=${1:-150}
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 status=0
+table="$out/table.txt"
+: > "$table"
+note() { echo "$*" | tee -a "$table"; }
+fail() { note "FAILED: $*"; status=1; }
+
+# 1. facts
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/device.txt"
-python3 -c 'import torch, cupy; print("torch", torch.__version__, "cupy", cupy.__version__)' | tee -a "$out/device.txt"
-timeout 300 python3 -m pytest -q -rs -p no:cacheprovider -m gpu --junitxml="$out/tests.xml" tests \
+timeout 60 python3 - <<'EOF' 2>&1 | tee -a "$out/device.txt" || status=1
+import sys
+import torch, cupy, triton
+from kernels import loader
+print("torch", torch.__version__, "cuda", torch.version.cuda, "| cupy", cupy.__version__, "| triton", triton.__version__)
+dirs, major = loader.cuda_include_dirs(), loader.nvrtc_major()
+print("NVRTC major", major, "| kernel headers", dirs)
+if not dirs or loader.header_major(__import__("pathlib").Path(dirs[0])) != major:
+    sys.exit("gpu_check: no CUDA headers matching NVRTC's major version")
+EOF
+cat "$out/device.txt" >> "$table"
+
+# 2. the .cu kernels for every target
+timeout 60 python3 -m kernels.compile_check 2>&1 | tee "$out/compile.txt" || fail "kernels.compile_check"
+note "compile: $(grep -c '^ok' "$out/compile.txt") (file, arch) builds ok"
+
+# 3. gpu tests
+timeout 200 python3 -m pytest -q -rs -p no:cacheprovider -m gpu --junitxml="$out/tests.xml" tests \
     2>&1 | tee "$out/tests.log"
-python3 - "$out/tests.xml" <<'EOF' || status=1
+python3 - "$out/tests.xml" <<'EOF' 2>&1 | tee -a "$table" || status=1
 import sys
 import xml.etree.ElementTree as ET
 try:
@@ -30,9 +61,16 @@ print(f"gpu tests: {tests} collected, {failures} failed, {errors} errors, {skipp
 if tests == 0 or failures or errors or skipped:
     sys.exit("gpu_check: FAILED (every gpu test must run and pass on a GPU machine)")
 EOF
-timeout "$cap" python3 perf/bench_cuda_graphs.py --batch 1 8 32 --steps 16 2>&1 | tee "$out/graphs.txt" || status=1
-timeout "$cap" python3 perf/bench_cuda_graphs.py --batch 1 4 --steps 16 --speculative-tokens 3 2>&1 \
-    | tee -a "$out/graphs.txt" || status=1
-timeout "$cap" python3 perf/bench_kernels.py --repeats 5 2>&1 | tee "$out/kernels.txt" || status=1
-echo "gpu_check: exit status $status"
+
+# 4. step time, breakdown, launches, bandwidth
+timeout "$cap" python3 perf/bench_step_breakdown.py --preset small --batches 1 32 128 --contexts 4096 65536 \
+    --steps 3 2>&1 | tee "$out/step.txt" || fail "bench_step_breakdown"
+cat "$out/step.txt" >> "$table"
+
+# 5. launches per layer, bytes read vs needed (counted on the CPU path, Triton interpreted)
+TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= timeout 90 python3 perf/bench_gpu_ops.py --batch 4 2>&1 \
+    | tee "$out/ops.txt" || fail "bench_gpu_ops"
+tail -n 12 "$out/ops.txt" >> "$table"
+
+note "gpu_check: exit status $status"
 exit $status

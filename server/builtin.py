@@ -32,8 +32,13 @@ def cache_root() -> Path:
 
 
 def make_model_dir(out_dir: str | Path, preset: str, seed: int = 0, layout: str = "upstream", dtype: str = "bf16",
-                   quantize: str | None = None) -> Path:
-    """Write a random-weight checkpoint plus tokenizer (what `ringserve make-model` does)."""
+                   quantize: str | None = None, arch: str = "v4") -> Path:
+    """Write a random-weight checkpoint plus tokenizer (what `ringserve make-model` does).
+    arch 'v41' writes a DeepSeek-V4.1 release-format directory (its own layout and dtypes)."""
+    if arch == "v41":
+        from engine.v41.checkpoint import write_v41_checkpoint
+
+        return write_v41_checkpoint(out_dir, preset, seed=seed, quantize=quantize)
     import torch
 
     from engine.checkpoint import preset_config, random_state, write_checkpoint

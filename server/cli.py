@@ -25,7 +25,9 @@ class CliError(Exception):
 def _add_make_model(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("make-model", help="write a random-weight checkpoint with a tokenizer")
     p.add_argument("out_dir")
-    p.add_argument("--arch", default="v4", choices=["v4"], help="model architecture (v4 = DeepSeek-V4)")
+    p.add_argument("--arch", default="v4", choices=["v4", "v41"],
+                   help="model architecture: v4 = DeepSeek-V4, v41 = DeepSeek-V4.1 (release format: FP8 32x32 "
+                        "blocks and FP4 experts with --quantize fp8-fp4, BF16 without)")
     p.add_argument("--preset", default="tiny", choices=["tiny", "small"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quantize", choices=["fp8-fp4"], default=None,
@@ -84,6 +86,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="never capture CUDA graphs: decode steps run the per-sequence eager path")
     p.add_argument("--kv-cache-memory", type=float, default=2.0, help="GiB for the KV pools")
     p.add_argument("--block-size", type=int, default=256, help="tokens per KV block")
+    p.add_argument("--decoder-tail", choices=["exact", "approx"], default="exact",
+                   help="DeepSeek-V4.1 prefill: approx runs the layers after the last KV source on each prefill "
+                        "chunk's last sliding-window tokens only (decoder-tail bounded replay); exact runs all")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the global KV blocks of prompts' cached prefixes (default on, as in vLLM)")
+    p.add_argument("--prefix-replay", choices=["exact", "bounded"], default="exact",
+                   help="sliding state at a prefix hit: exact (snapshots at block boundaries, else a replay of "
+                        "the window stack's receptive field; output as a cold run) or bounded (vLLM's "
+                        "approximation: recompute only the last window before the hit)")
     add_parallel_args(p)
 
 
@@ -136,7 +147,10 @@ def engine_config_from(args: argparse.Namespace):
                         speculative_tokens=args.speculative_tokens,
                         cuda_graph_sizes=tuple(args.cuda_graph_sizes or ()),
                         enforce_eager=args.enforce_eager, adaptive_speculation=args.adaptive_speculation,
-                        kv_cache_memory_bytes=int(args.kv_cache_memory * 2**30), block_size=args.block_size)
+                        kv_cache_memory_bytes=int(args.kv_cache_memory * 2**30), block_size=args.block_size,
+                        decoder_tail=args.decoder_tail,
+                        enable_prefix_caching=getattr(args, "enable_prefix_caching", True),
+                        prefix_replay=getattr(args, "prefix_replay", "exact"))
 
 
 def _add_kv_report(sub: argparse._SubParsersAction) -> None:
@@ -146,6 +160,9 @@ def _add_kv_report(sub: argparse._SubParsersAction) -> None:
                    help="KV record format (default fp8: e4m3 entries + fp4 index keys, the GPU deployment)")
     p.add_argument("--context", type=int, default=131072, help="tokens for the total line")
     p.add_argument("--block-size", type=int, default=256)
+    p.add_argument("--index-dtype", choices=["fp4", "fp8"], default="fp4",
+                   help="V4.1 index keys: fp4 (the model's own, 68 B) or fp8 (132 B, vLLM's indexer_kv_dtype fp8; "
+                        "reported only, the engine stores fp4)")
     p.add_argument("--json", action="store_true", help="one JSON object")
     p.set_defaults(func=_cmd_kv_report)
 
@@ -163,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     from server.serve import add_serve_parser
 
     add_serve_parser(sub, add_engine_args)
+    from server.proxy import add_proxy_parser
+
+    add_proxy_parser(sub)
     p = sub.add_parser("bench", help="serving benchmark client: bench serve | sweep | plot | gen-trace",
                        add_help=False)
     p.add_argument("bench_args", nargs=argparse.REMAINDER)
@@ -174,10 +194,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("systemd-unit", help="print a systemd unit that runs `ringserve serve` with these flags")
     p.add_argument("--user", default=None, help="run as this account (default: DynamicUser)")
     p.add_argument("--watchdog-sec", type=float, default=60.0)
-    p.add_argument("--role", choices=["server", "head", "headless"], default=None,
-                   help="one node (server), or a multi-node group's head / headless node "
+    p.add_argument("--role", choices=["server", "head", "headless", "prefill", "decode", "proxy"], default=None,
+                   help="one node (server), a multi-node group's head / headless node, a PD prefill or decode "
+                        "server (--kv-role), or the PD proxy (then the flags are ringserve proxy's) "
                         "(default: from the serve flags)")
-    p.add_argument("serve_args", nargs=argparse.REMAINDER, help="flags for ringserve serve")
+    p.add_argument("serve_args", nargs=argparse.REMAINDER, help="flags for ringserve serve (or proxy)")
     p.set_defaults(func=_cmd_systemd_unit)
     return parser
 
@@ -185,9 +206,11 @@ def build_parser() -> argparse.ArgumentParser:
 def _cmd_make_model(args: argparse.Namespace) -> int:
     from server.builtin import make_model_dir
 
+    if args.arch == "v41" and (args.layout != "upstream" or args.dtype != "bf16"):
+        raise CliError("--arch v41 writes the release format: --layout and --dtype do not apply")
     out = make_model_dir(args.out_dir, args.preset, seed=args.seed, layout=args.layout, dtype=args.dtype,
-                         quantize=args.quantize)
-    print(f"wrote {args.preset} DeepSeek-V4 checkpoint to {out}")
+                         quantize=args.quantize, arch=args.arch)
+    print(f"wrote {args.preset} DeepSeek-{'V4.1' if args.arch == 'v41' else 'V4'} checkpoint to {out}")
     return 0
 
 
@@ -209,15 +232,26 @@ def _cmd_systemd_unit(args: argparse.Namespace) -> int:
     from server.systemd import render_unit
 
     serve_args = [a for a in args.serve_args if a != "--"]
+    exec_path = shutil.which("ringserve") or str(Path(sys.executable).with_name("ringserve"))
+    if args.role == "proxy":
+        probe = build_parser().parse_args(["proxy", *serve_args])  # validate the flags now, not at boot
+        print(render_unit(serve_args, exec_path=exec_path, user=args.user, drain_timeout_s=probe.drain_timeout,
+                          watchdog_s=args.watchdog_sec, role="proxy", command="proxy"), end="")
+        return 0
     if args.role == "headless" and "--headless" not in serve_args:
         serve_args.append("--headless")
     probe = build_parser().parse_args(["serve", *serve_args])  # validate the flags now, not at boot
     parallel = parallel_config_from(probe)  # raises ConfigError naming a bad flag
+    from server.pd import kv_transfer_config_from
+
+    kv_transfer_config_from(probe, None)  # ValueError naming a bad --kv-* flag
     role = "headless" if probe.headless else "head" if parallel.multi_node else "server"
+    if role == "server" and probe.kv_role != "both":
+        role = probe.kv_role  # a PD side on one node
     if args.role is not None and args.role != role:
         raise CliError(f"--role {args.role} does not match the serve flags, which describe a {role} "
-                       f"(a head runs ranks from 0 with --data-parallel-size-local < --data-parallel-size)")
-    exec_path = shutil.which("ringserve") or str(Path(sys.executable).with_name("ringserve"))
+                       f"(a head runs ranks from 0 with --data-parallel-size-local < --data-parallel-size; "
+                       f"a prefill or decode server has --kv-role prefill|decode --kv-transfer nixl)")
     print(render_unit(serve_args, exec_path=exec_path, user=args.user, drain_timeout_s=probe.drain_timeout,
                       watchdog_s=args.watchdog_sec, role=role), end="")
     return 0
@@ -232,7 +266,7 @@ def _cmd_kv_report(args: argparse.Namespace) -> int:
     cfg = ModelConfig.from_model_dir(source)
     if args.context < 0:
         raise CliError("--context must be ≥ 0")
-    layout = build_layout(cfg, args.kv_dtype, "bf16", args.block_size)
+    layout = build_layout(cfg, args.kv_dtype, "bf16", args.block_size, index_dtype=args.index_dtype)
     pools = [{"name": p.name, "group": p.group, "format": p.fmt, "width": p.width, "record_bytes": p.record_bytes,
               "tokens_per_record": p.tokens_per_record, "layers": len(p.layers), "window_tokens": p.window,
               "bytes_per_token": p.bytes_per_token, "per_sequence_bytes": p.per_sequence_bytes}
@@ -241,20 +275,30 @@ def _cmd_kv_report(args: argparse.Namespace) -> int:
               "global_bytes_per_token": layout.global_bytes_per_token,
               "per_sequence_bytes": layout.per_sequence_bytes, "context": args.context,
               "total_bytes_at_context": layout.global_bytes_per_token * args.context + layout.per_sequence_bytes}
+    if cfg.arch == "v41":
+        from engine.v41.state_report import fixed_state
+
+        report["fixed_state"] = fixed_state(cfg, layout)
+        report["per_sequence_bytes"] = sum(item["bytes"] for item in report["fixed_state"])
+        report["total_bytes_at_context"] = layout.global_bytes_per_token * args.context + report["per_sequence_bytes"]
     if args.json:
         print(json.dumps(report))
         return 0
     print(f"{source} --kv-dtype {args.kv_dtype}")
-    print(f"{'pool':16} {'group':8} {'format':11} {'record B':>9} {'layers':>6} {'tok/rec':>7} "
+    print(f"{'pool':16} {'group':8} {'format':13} {'record B':>9} {'layers':>6} {'tok/rec':>7} "
           f"{'B/token':>10} {'per-seq B':>12}")
     for p in pools:  # full pools grow per token; sliding pools are a fixed per-sequence window
         per_token = f"{p['bytes_per_token']:10.2f}" if p["group"] == "full" else f"{'-':>10}"
         per_seq = f"{p['per_sequence_bytes']:12,d}" if p["group"] == "sliding" else f"{'-':>12}"
-        print(f"{p['name']:16} {p['group']:8} {p['format']:11} {p['record_bytes']:9d} {p['layers']:6d} "
+        print(f"{p['name']:16} {p['group']:8} {p['format']:13} {p['record_bytes']:9d} {p['layers']:6d} "
               f"{p['tokens_per_record']:7d} {per_token} {per_seq}")
     print(f"global KV (grows with context): {layout.global_bytes_per_token:,.2f} B/token "
           f"({layout.global_bytes_per_token / 1024:.2f} KiB)")
-    print(f"fixed per-sequence state (window + compressor rows): {layout.per_sequence_bytes / 2**20:.2f} MiB")
+    if cfg.arch == "v41":
+        print("fixed per-sequence state:")
+        for item in report["fixed_state"]:
+            print(f"  {item['what']:58} {item['bytes']:>12,d} B")
+    print(f"fixed per-sequence state (window + compressor rows): {report['per_sequence_bytes'] / 2**20:.2f} MiB")
     print(f"total at {args.context:,} tokens: {report['total_bytes_at_context'] / 2**20:,.1f} MiB per sequence")
     return 0
 

@@ -35,7 +35,7 @@ from typing import AsyncIterator, Union
 
 from engine.config import EngineConfig, ParallelConfig
 from ipc import (Abort, Finished, Heartbeat, IpcError, RingClosed, RingConfig, RingTimeout, SamplingParams, Shutdown,
-                 StepOutputs, Submit, TokenDelta, WorkerReady, decode, encode)
+                 StepOutputs, Submit, TokenDelta, Wake, WorkerReady, decode, encode)
 from ipc.segment import remove_orphans
 
 from .links import LocalLink, NodeChannel, RankLink
@@ -215,9 +215,10 @@ class EngineClient:
 
     # ---- requests --------------------------------------------------------------------------
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: int | None = None,
-                       session: str | None = None) -> AsyncIterator[Output]:
+                       session: str | None = None, kv_transfer_params=None) -> AsyncIterator[Output]:
         """Submit a request and yield its output as it arrives, ending with its `Finished`.
-        Cancelling the iteration aborts the request in its worker."""
+        Cancelling the iteration aborts the request in its worker. `kv_transfer_params`: a leg
+        of a PD-disaggregated request (engine.kv_transfer.protocol.KVTransferParams)."""
         rid = self.new_request_id() if request_id is None else request_id
         try:
             rank = self.router.assign(rid, len(prompt_token_ids), params.max_tokens, session)
@@ -226,13 +227,16 @@ class EngineClient:
             return
         r = self.ranks[rank]
         queue: asyncio.Queue = asyncio.Queue()
+        parked = self.parallel.grouped and not any(x.inflight for x in self.ranks)
         self._queues[rid] = queue
         self._owner[rid] = rank
         r.inflight.add(rid)
         finished = False
         try:
-            await r.link.send("requests", encode(Submit(rid, prompt_token_ids, params),
+            await r.link.send("requests", encode(Submit(rid, prompt_token_ids, params, kv_transfer_params),
                                                   max_bytes=r.link.capacity("requests")), timeout=30.0)
+            if parked:
+                await self._wake_group(r)
             while True:
                 item: Output = await queue.get()
                 finished = isinstance(item, Finished)
@@ -243,6 +247,17 @@ class EngineClient:
             if not finished:
                 self.abort(rid)
             self._forget(rid)
+
+    async def _wake_group(self, busy: _Rank) -> None:
+        """The group was parked: wake every other rank, so it joins `busy`'s next agreement now
+        rather than after its park timeout."""
+        wake = encode(Wake())
+        for x in self.ranks:
+            if x is not busy and x.alive:
+                try:
+                    await x.link.send("control", wake, timeout=0.1)
+                except IpcError:  # a full control ring: the rank's bounded park still ends
+                    pass
 
     def new_request_id(self) -> int:
         rid = self._next_id

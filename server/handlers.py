@@ -147,6 +147,7 @@ class _Run:
         self.events: asyncio.Queue = asyncio.Queue()
         self.tasks: list[asyncio.Task] = []
         self.disconnected = True  # until the response completes, a cancellation means the client left
+        self.kv_transfer_params = None  # PD: where a prefill for a remote decode holds the KV
 
     # ---- engine side -------------------------------------------------------------------------
     def _start(self) -> None:
@@ -173,9 +174,12 @@ class _Run:
             timer.finish(choice.state.finish_reason or "abort", len(ids), len(choice.state.token_ids))
 
     async def _consume(self, choice: ChoiceStream, ids: list[int], params, timer) -> None:
-        async for item in self.state.client.generate(ids, params, session=self.req.user):
+        kv = {"kv_transfer_params": self.req.kv_transfer_params} if self.req.kv_transfer_params is not None else {}
+        async for item in self.state.client.generate(ids, params, session=self.req.user, **kv):
             if isinstance(item, Finished):
                 timer.scheduled(timer.arrival + item.queued_s)  # the worker measured the queue
+                if item.kv_transfer_params is not None:
+                    self.kv_transfer_params = item.kv_transfer_params
                 if item.error and not choice.state.token_ids:
                     await self.events.put((choice, _engine_error(item.error, item.error_code), 0))
                     return
@@ -226,9 +230,13 @@ class _Run:
                 if choice.state.finish_reason == "error" and choice.state.error:  # failed after some tokens
                     raise _engine_error(choice.state.error, choice.state.error_code)
         choices = [self._final_choice(c) for c in self.choices]
-        return web.json_response({"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
-                                  "created": self.created, "model": self.req.model, "choices": choices,
-                                  "usage": self._usage()})
+        body = {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.req.model, "choices": choices, "usage": self._usage()}
+        if self.kv_transfer_params is not None:  # PD leg 1: what the proxy hands to the decode server
+            from engine.kv_transfer.protocol import params_to_json
+
+            body["kv_transfer_params"] = params_to_json(self.kv_transfer_params)
+        return web.json_response(body)
 
     async def stream(self, request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",

@@ -193,7 +193,14 @@ class NodeBye(msgspec.Struct, frozen=True, array_like=True, tag=6):
     reason: str
 
 
-NodeMessage = NodeHello | NodeWelcome | NodeRefused | RankMessage | RankExited | NodeBye
+class NodeAlive(msgspec.Struct, frozen=True, array_like=True, tag=7):
+    """Node → head, every NODE_ALIVE_S: the node itself is up, even while its ranks load (a
+    large checkpoint takes minutes, during which the ranks send nothing)."""
+
+
+NODE_ALIVE_S = 1.0
+
+NodeMessage = NodeHello | NodeWelcome | NodeRefused | RankMessage | RankExited | NodeBye | NodeAlive
 ENCODE = msgspec.msgpack.Encoder().encode
 DECODE = msgspec.msgpack.Decoder(NodeMessage).decode
 
@@ -287,9 +294,10 @@ def heartbeat_socket(sock: zmq.Socket) -> zmq.Socket:
 class NodeChannel:
     """The head's side of every headless node: one ZeroMQ ROUTER on the rpc port.
 
-    A node's ranks send a heartbeat every 0.25 s (from a worker thread, so even during a long
-    step); a node the head has heard nothing from for `node_timeout_s` (its machine or network
-    is gone) has its ranks declared exited, like a dead local worker."""
+    A node sends NodeAlive every NODE_ALIVE_S from its own loop (so also while its ranks load) and
+    its ranks send a heartbeat every 0.25 s (from a worker thread, so even during a long step); a
+    node the head has heard nothing from for `node_timeout_s` (its machine or network is gone) has
+    its ranks declared exited, like a dead local worker."""
 
     def __init__(self, address: str, port: int, node_timeout_s: float = 15.0):
         self.ctx = zmq.asyncio.Context()

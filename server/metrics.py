@@ -118,6 +118,14 @@ class Metrics:
         self.loop_pause_max_seconds = gauge(
             "loop_pause_max_seconds", "Longest engine-loop pause seen in the last stats interval.")
 
+        # Expert parallelism (from the group's last EPLB window; the same on every rank).
+        self._expert_imbalance = Gauge(PREFIX + "expert_imbalance", "Per MoE layer: max over mean expert-parallel "
+                                       "rank load in the last EPLB window (1.0 = balanced).", [*ln, "layer"],
+                                       registry=r)
+        self.expert_imbalance_max = gauge("expert_imbalance_max", "Worst MoE layer's expert_imbalance.")
+        self.eplb_rebalances = counter("eplb_num_rebalances", "Expert placements rebalanced (weights moved).")
+        self._last_rebalances = 0
+
         # Counters.
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens of finished requests.")
@@ -135,6 +143,10 @@ class Metrics:
         self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Speculative draft tokens accepted.")
         self._spec_accepted_pos = counter("spec_decode_num_accepted_tokens_per_pos",
                                           "Accepted draft tokens by draft position (0-based).", ["position"])
+        # Prefix cache (vLLM's names), in tokens: queried = prompt tokens of admitted requests,
+        # hit = those not computed because their KV came from the cache.
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prefix cache queries, in prompt tokens.")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prefix cache hits, in prompt tokens.")
 
         # Histograms.
         self.ttft = hist("time_to_first_token_seconds", "Arrival to first streamed token.", REQUEST_BUCKETS)
@@ -156,6 +168,8 @@ class Metrics:
         self._last_drafts = 0
         self._last_draft_tokens = 0
         self._last_accepted_pos: list[int] = []
+        self._last_prefix_queries = 0
+        self._last_prefix_hits = 0
 
     # ---- per-request -------------------------------------------------------------------------
 
@@ -216,6 +230,22 @@ class Metrics:
             last[pos] = int(total)
         if accepted:
             self.spec_accepted_tokens.inc(accepted)
+
+    def set_expert_parallel_stats(self, imbalance_per_layer: Sequence[float], rebalances_total: int) -> None:
+        """Publish the expert-parallel group's load: per-layer imbalance of its last EPLB window
+        and the cumulative count of rebalances (counter semantics as in set_engine_stats)."""
+        for layer, value in enumerate(imbalance_per_layer):
+            self._expert_imbalance.labels(self.model_name, str(layer)).set(value)
+        self.expert_imbalance_max.set(max(imbalance_per_layer, default=1.0))
+        self._last_rebalances = self._advance(self.eplb_rebalances, self._last_rebalances, rebalances_total,
+                                              "eplb_rebalances")
+    def set_prefix_cache_stats(self, queries_total: int, hits_total: int) -> None:
+        """Publish the prefix cache's cumulative query and hit tokens (summed over workers),
+        as counter increments with the same restart rule as `set_engine_stats`."""
+        self._last_prefix_queries = self._advance(self.prefix_cache_queries, self._last_prefix_queries,
+                                                  queries_total, "prefix_cache_queries")
+        self._last_prefix_hits = self._advance(self.prefix_cache_hits, self._last_prefix_hits, hits_total,
+                                               "prefix_cache_hits")
 
     @staticmethod
     def _delta(last: int, new: int, what: str) -> int:

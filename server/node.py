@@ -28,8 +28,8 @@ from ipc.errors import IpcError, RingClosed, RingTimeout
 from ipc.segment import remove_orphans
 
 from .engine_client import _slot_bytes, config_digest, worker_device
-from .links import (CHANNELS, DECODE, ENCODE, LocalLink, NodeBye, NodeHello, NodeRefused, NodeWelcome, RankExited,
-                    RankMessage, heartbeat_socket)
+from .links import (CHANNELS, DECODE, ENCODE, NODE_ALIVE_S, LocalLink, NodeAlive, NodeBye, NodeHello, NodeRefused,
+                    NodeWelcome, RankExited, RankMessage, heartbeat_socket)
 from .worker_entry import WorkerArgs
 
 logger = logging.getLogger(__name__)
@@ -64,7 +64,8 @@ class HeadlessNode:
             self._start_ranks(await self._join())
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self._stop.set)
-            tasks = [asyncio.ensure_future(self._from_head()), asyncio.ensure_future(self._watch_head())]
+            tasks = [asyncio.ensure_future(self._from_head()), asyncio.ensure_future(self._watch_head()),
+                     asyncio.ensure_future(self._keep_alive())]
             for link in self.links.values():
                 link.watch_exit(loop, lambda link=link: self._rank_exited(link))
                 tasks += [asyncio.ensure_future(self._to_head(link, ch)) for ch in ("outputs", "status")]
@@ -140,6 +141,13 @@ class HeadlessNode:
                 logger.warning("the head says: %s", msg.reason)
                 self._stop.set()
                 return
+
+    async def _keep_alive(self) -> None:
+        """Tell the head this node is up, whatever its ranks are doing (loading sends nothing)."""
+        alive = ENCODE(NodeAlive())
+        while True:
+            await self.sock.send(alive)
+            await asyncio.sleep(NODE_ALIVE_S)
 
     async def _to_head(self, link: LocalLink, channel: str) -> None:
         index = CHANNELS.index(channel)

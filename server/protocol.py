@@ -63,6 +63,7 @@ class GenerationRequest:
     # in each choice's "prompt_logprobs". `echo` with `logprobs` puts them in "logprobs" too.
     score_only: bool = False
     prompt_logprobs: int | None = None
+    kv_transfer_params: Any = None  # PD disaggregation: engine.kv_transfer.protocol.KVTransferParams
 
 
 # ---- field readers ---------------------------------------------------------------------------
@@ -156,6 +157,7 @@ def _common(body: dict, limits: Limits, max_tokens_field: str, logprobs: int | N
         logprobs=logprobs,
         stop_token_ids=tuple(stop_ids),
         ignore_eos=bool(_get(body, "ignore_eos", (bool,), False)),
+        cache_salt=_get(body, "cache_salt", (str,), None) or None,  # vLLM's name: prefix-cache tenant
     )
     return checked(params, {"max_tokens": max_tokens_field, "logprobs": "top_logprobs"
                             if max_tokens_field == "max_completion_tokens" else "logprobs"})
@@ -194,6 +196,26 @@ def _stream_opts(body: dict) -> tuple[bool, bool, bool]:
         raise ProtocolError("'stream_options' is only allowed when 'stream' is true", "stream_options",
                             "invalid_value")
     return stream, flags[0], flags[1]
+
+
+def _kv_transfer_params(body: dict, n_prompts: int, n: int, stream: bool):
+    """`kv_transfer_params` (vLLM's two-leg PD protocol), validated; None when absent."""
+    raw = body.get("kv_transfer_params")
+    if raw is None:
+        return None
+    from engine.kv_transfer.protocol import ProtocolError as KVProtocolError, parse_params
+
+    try:
+        kv = parse_params(raw)
+    except KVProtocolError as exc:
+        raise ProtocolError(str(exc), "kv_transfer_params", "invalid_value") from None
+    if n_prompts != 1 or n != 1:
+        raise ProtocolError("kv_transfer_params need exactly one prompt and n = 1", "kv_transfer_params",
+                            "invalid_value")
+    if kv.do_remote_decode and stream:
+        raise ProtocolError("a prefill for a remote decode (do_remote_decode) must not stream", "stream",
+                            "invalid_value")
+    return kv
 
 
 def _require_object(body: Any) -> dict:
@@ -243,7 +265,8 @@ def parse_completion(body: Any, limits: Limits, served: list[str]) -> Generation
     return GenerationRequest(model, prompts, None, params, n, stream, include, _stop(body, limits), echo=echo,
                              logprobs=logprobs, user=_user(body, limits),
                              max_tokens_given=body.get("max_tokens") is not None, continuous_usage=continuous,
-                             score_only=score_only, prompt_logprobs=prompt_lp)
+                             score_only=score_only, prompt_logprobs=prompt_lp,
+                             kv_transfer_params=_kv_transfer_params(body, len(prompts), n, stream))
 
 
 def parse_chat(body: Any, limits: Limits, served: list[str]) -> GenerationRequest:
@@ -274,4 +297,5 @@ def parse_chat(body: Any, limits: Limits, served: list[str]) -> GenerationReques
     params = _common(body, limits, "max_completion_tokens", logprobs, n)
     given = body.get("max_completion_tokens") is not None or body.get("max_tokens") is not None
     return GenerationRequest(model, [], messages, params, n, stream, include, _stop(body, limits), logprobs=logprobs,
-                             user=_user(body, limits), max_tokens_given=given, continuous_usage=continuous)
+                             user=_user(body, limits), max_tokens_given=given, continuous_usage=continuous,
+                             kv_transfer_params=_kv_transfer_params(body, 1, n, stream))

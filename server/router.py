@@ -7,6 +7,11 @@ A rank's load is the work it still owes, in tokens:
 A new request goes to the alive rank with the least load, except that a request carrying a
 session (or user) id sticks to the rank that served that session before, so its prefix can be
 reused there. `imbalance()` is max/mean load over alive ranks (1.0 = perfectly even).
+
+A cached prefix counts: a session's request that returns to the rank holding its previous
+prompt owes prefill only for what that rank is not expected to have cached, i.e. its prompt
+minus the full blocks of the previous prompt (the engine's prefix cache keeps those blocks
+unless memory pressure evicted them, so this is an estimate, not a promise).
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ class DPRouter:
         self.ranks = [RankLoad() for _ in range(num_ranks)]
         self.block_size = block_size
         self.sessions: dict[str, int] = {}
+        self._session_prompt: dict[str, int] = {}  # session → prompt tokens of its last request
         self.max_sessions = max_sessions
         self._mean_output = 128.0  # running mean of completion lengths (EWMA)
         self._where: dict[int, int] = {}  # request id → rank
@@ -79,13 +85,26 @@ class DPRouter:
         """Pick a rank for a new request and account for its work there."""
         rank = self.pick(session)
         expected = int(min(max_tokens, 2 * self._mean_output))
-        self.ranks[rank].owed[request_id] = _Owed(prompt_tokens, expected)
+        prefill = prompt_tokens - self.cached_estimate(session, rank, prompt_tokens)
+        self.ranks[rank].owed[request_id] = _Owed(prefill, expected)
         self._where[request_id] = rank
         if session is not None:
             if len(self.sessions) >= self.max_sessions and session not in self.sessions:
-                self.sessions.pop(next(iter(self.sessions)))  # forget the oldest session
+                old = next(iter(self.sessions))  # forget the oldest session
+                self.sessions.pop(old)
+                self._session_prompt.pop(old, None)
             self.sessions[session] = rank
+            self._session_prompt[session] = prompt_tokens
         return rank
+
+    def cached_estimate(self, session: str | None, rank: int, prompt_tokens: int) -> int:
+        """Prompt tokens `rank` likely holds in its prefix cache for this session's next request:
+        the full blocks of the session's previous prompt there (never the whole prompt: the last
+        token is always computed)."""
+        if session is None or self.sessions.get(session) != rank:
+            return 0
+        prev = self._session_prompt.get(session, 0)
+        return min(prev, prompt_tokens - 1) // self.block_size * self.block_size
 
     # ---- feedback --------------------------------------------------------------------------
     def on_tokens(self, request_id: int, num_tokens: int) -> None:
@@ -118,6 +137,7 @@ class DPRouter:
         r.kv_tokens = 0
         for s in [s for s, k in self.sessions.items() if k == rank]:
             del self.sessions[s]
+            self._session_prompt.pop(s, None)
         return lost
 
     # ---- metrics ---------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import signal
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from aiohttp import web
@@ -22,6 +23,7 @@ from . import systemd
 from .app import make_app
 from .http import Runner
 from .metrics import Metrics
+from .pd import add_kv_routes, add_pd_args, kv_transfer_config_from
 from .protocol import Limits
 from .state import AppState
 from .systemd import WatchdogFeeder
@@ -53,6 +55,7 @@ def add_serve_parser(sub: argparse._SubParsersAction, add_engine_args) -> None:
     p.add_argument("--threads-per-worker", type=int, default=None)
     p.add_argument("--device", default="cpu", help="cpu, or cuda (one worker per GPU)")
     add_engine_args(p)
+    add_pd_args(p)
     p.set_defaults(func=cmd_serve)
 
 
@@ -75,7 +78,8 @@ async def serve_headless(args: argparse.Namespace) -> int:
 
     model_dir = Path(args.model_dir) if args.model_dir else builtin_model_dir()
     parallel = parallel_config_from(args)
-    node = HeadlessNode(model_dir, engine_config_from(args).resolved(), parallel, device=args.device,
+    config = replace(engine_config_from(args), kv_transfer=kv_transfer_config_from(args, model_dir))
+    node = HeadlessNode(model_dir, config.resolved(), parallel, device=args.device,
                         threads_per_worker=args.threads_per_worker)
     ranks = f"ranks {parallel.local_ranks.start}-{parallel.local_ranks.stop - 1}"
     head = f"{parallel.data_parallel_address}:{parallel.data_parallel_rpc_port}"
@@ -102,9 +106,10 @@ async def serve(args: argparse.Namespace) -> int:
     from server.tokenizer import Tokenizer
 
     model_dir = Path(args.model_dir) if args.model_dir else builtin_model_dir()
+    kv_transfer = kv_transfer_config_from(args, model_dir)  # a bad --kv-* flag fails before anything loads
     model_cfg = ModelConfig.from_model_dir(model_dir)
     tokenizer = Tokenizer.from_dir(model_dir)
-    config = engine_config_from(args).resolved()
+    config = replace(engine_config_from(args), kv_transfer=kv_transfer).resolved()
     name = args.served_model_name or (model_dir.name if args.model_dir else "ringserve-builtin")
     client = EngineClient(model_dir, config, device=args.device, threads_per_worker=args.threads_per_worker,
                           stuck_after_s=args.watchdog_timeout, liveness_timeout_s=args.worker_liveness_timeout,
@@ -115,7 +120,10 @@ async def serve(args: argparse.Namespace) -> int:
                      api_key=args.api_key, max_running=args.dp * config.max_num_seqs,
                      max_queued_requests=args.max_queued_requests, request_timeout_s=args.request_timeout,
                      body_timeout_s=args.body_timeout, metrics=Metrics(name))
-    runner = Runner(make_app(state), max_connections=args.max_connections, handler_cancellation=True,
+    app = make_app(state)
+    if config.kv_transfer is not None:
+        add_kv_routes(app, client)
+    runner = Runner(app, max_connections=args.max_connections, handler_cancellation=True,
                     access_log=None, keepalive_timeout=args.header_timeout, max_line_size=limits.max_field_bytes,
                     max_field_size=limits.max_field_bytes, max_headers=limits.max_headers)
     await runner.setup()
@@ -141,7 +149,8 @@ async def serve(args: argparse.Namespace) -> int:
     stats_task = asyncio.ensure_future(_publish_stats(state, client))
     feeder = WatchdogFeeder(lambda: client.healthy and not client.stuck)  # hung or dead worker: stop feeding
     feeder.start()
-    systemd.notify_ready(f"serving {name} with {args.dp} worker(s)")
+    role = f", KV role {config.kv_transfer.role}" if config.kv_transfer is not None else ""
+    systemd.notify_ready(f"serving {name} with {args.dp} worker(s){role}")
     host = "localhost" if args.host in ("127.0.0.1", "0.0.0.0") else args.host
     auth = f' -H "Authorization: Bearer {args.api_key}"' if args.api_key else ""
     print(f"ringserve serving {name} on http://{args.host}:{args.port} ({args.dp} worker(s))\n"
@@ -157,10 +166,17 @@ async def serve(args: argparse.Namespace) -> int:
         await asyncio.sleep(0.05)
     stats_task.cancel()
     await feeder.stop()
-    await client.shutdown()  # unfinished requests end with finish_reason "abort"
-    await asyncio.sleep(0.2)  # let their handlers write the last chunks
+    await client.shutdown()  # unfinished requests end with finish_reason "abort" (or a dead rank's cause)
+    deadline = time.monotonic() + FLUSH_TIMEOUT_S
+    while state.in_flight and time.monotonic() < deadline:  # let their handlers write the last events
+        await asyncio.sleep(0.02)
     await runner.cleanup()
     return exit_code
+
+
+# After the engine stops, how long handlers get to write their streams' last events (an error
+# and [DONE]) before the connections close; a loaded machine can need more than a moment.
+FLUSH_TIMEOUT_S = 5.0
 
 
 async def _publish_stats(state: AppState, client) -> None:
@@ -178,3 +194,9 @@ async def _publish_stats(state: AppState, client) -> None:
             preemptions_total=sum(b.num_preemptions for b in beats),
             spec_drafts_total=sum(b.spec_drafts for b in beats),
             spec_draft_tokens_total=sum(b.spec_draft_tokens for b in beats), spec_accepted_per_position=spec)
+        state.metrics.set_prefix_cache_stats(sum(b.prefix_cache_queries for b in beats),
+                                             sum(b.prefix_cache_hits for b in beats))
+        grouped = [b for b in beats if b.expert_imbalance]  # every rank of a group reports the same window
+        if grouped:
+            state.metrics.set_expert_parallel_stats(grouped[0].expert_imbalance,
+                                                    max(b.eplb_rebalances for b in grouped))

@@ -67,3 +67,27 @@ def verify(tensors: Sequence[torch.Tensor], block_ids: Sequence[int], expected: 
     bad = mismatches(tensors, block_ids, expected)
     if bad:
         raise DigestMismatch(bad, block_ids)
+
+
+def span_digests(pieces: Sequence[tuple[Sequence[torch.Tensor], Sequence[tuple[int, int, int]]]],
+                 num_blocks: int) -> list[int]:
+    """One CRC32C per block of a group's block list (length `num_blocks`) over exactly the bytes
+    that cross. `pieces`: per pool, (its tensors in layer order, its spans as (position in the
+    block list, physical block id, byte offset in the block, bytes)). Chained pool by pool in
+    the given order, then layer by layer, so both sides get one value from the same bytes."""
+    crcs = [0] * num_blocks
+    for tensors, spans in pieces:
+        for t in tensors:
+            flat = _flat_bytes(t, sorted({block for _, block, _, _ in spans}))
+            for pos, block, offset, nbytes in spans:
+                crcs[pos] = crc32c.crc32c(flat[block][offset:offset + nbytes], crcs[pos])
+    return crcs
+
+
+def _flat_bytes(t: torch.Tensor, block_ids: Sequence[int]):
+    """{block id: uint8 row of its bytes}: zero-copy views on host memory, one gather for device memory."""
+    if t.device.type == "cpu" and t.is_contiguous():
+        flat = t.view(torch.uint8).reshape(t.shape[0], -1).numpy()  # [num_blocks, block bytes]
+        return {b: flat[b] for b in block_ids}
+    rows = _host_rows(t, block_ids) if block_ids else np.zeros((0, 0), np.uint8)
+    return dict(zip(block_ids, rows))

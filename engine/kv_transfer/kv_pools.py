@@ -75,3 +75,16 @@ def handoff_blocks(table: "BlockTable", num_tokens: int, block_size: int, slidin
         raise ValueError(f"table holds sliding blocks [{have[0]}, {have[1]}), [{s_first}, {s_end}) needed")
     return {"full": (0, list(table.full[:end])),
             "sliding": (s_first, [table.sliding_id(i) for i in range(s_first, s_end)])}
+
+
+def plan_block_ids(table: "BlockTable", blocks: dict[str, tuple[int, int]]) -> dict[str, list[int]]:
+    """{group: the table's block ids of the plan's logical blocks [first, end)}; ValueError if
+    the table does not hold them all."""
+    first, end = blocks["full"]
+    if len(table.full) < end:
+        raise ValueError(f"table holds {len(table.full)} full blocks, {end} needed")
+    s_first, s_end = blocks["sliding"]
+    have = (table.sliding_first, table.sliding_first + len(table.sliding))
+    if s_end > s_first and (s_first < have[0] or s_end > have[1]):
+        raise ValueError(f"table holds sliding blocks [{have[0]}, {have[1]}), [{s_first}, {s_end}) needed")
+    return {"full": list(table.full[first:end]), "sliding": [table.sliding_id(i) for i in range(s_first, s_end)]}

@@ -39,6 +39,10 @@ class LeaseTable:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._leases
 
+    def held(self) -> list[tuple[str, Any]]:
+        """Every live (request_id, blocks), oldest first."""
+        return [(rid, lease.blocks) for rid, lease in self._leases.items()]
+
     def hold(self, request_id: str, blocks: Any, ttl_s: float) -> float:
         """Hold `blocks` for `request_id` for `ttl_s`; returns the expiry (clock time)."""
         if ttl_s <= 0:

@@ -311,14 +311,24 @@ class KVTransport:
         while hs.poll() == "pending":
             time.sleep(0.002)
 
-    def disconnect(self, peer: str, reason: str = "disconnected") -> None:
-        """Forget a server: fail its pending READs, release its descriptors, drop its metadata."""
+    def disconnect(self, peer: str, reason: str = "disconnected", say_bye: bool = False) -> None:
+        """Forget a server: fail its pending READs, release its descriptors, drop its metadata.
+        `say_bye`: tell it first, so that it forgets us at once instead of after its idle prune."""
+        if say_bye and peer in self._peers:
+            try:
+                self._agent.send_notif(peer, wire.encode_handshake(wire.Bye()))
+            except Exception:  # already gone: nothing to tell
+                pass
         p = self._peers.pop(peer, None)
         if p is not None:
             for t in list(p.transfers):
                 self._transfer_failed(t, f"READ from {peer} failed: {reason}", reason, drop_peer=False)
             _quietly(p.dlist.release)
         self._forget_agent(peer)
+
+    def is_connected(self, peer: str) -> bool:
+        """Whether the handshake with this server completed (and it was not dropped since)."""
+        return peer in self._peers
 
     def peers(self) -> list[str]:
         """Servers this transport is connected to."""
@@ -355,16 +365,66 @@ class KVTransport:
         except Exception as exc:
             self.disconnect(peer, f"{type(exc).__name__}: {exc}")
             return Transfer.failed(self, peer, TransferFailed(f"READ from {peer} not created: {exc}", exc))
-        t = Transfer(self, peer, handle, nbytes, timeout_s)
+        return self._post(p, handle, nbytes, timeout_s)
+
+    def read_spans(self, peer: str, spans: Sequence[tuple[str, int, int, int, int]], notify: bytes = b"",
+                   timeout_s: float | None = 30.0) -> Transfer:
+        """One READ of byte ranges inside blocks: each span (region, local block, remote block,
+        byte offset, bytes) is read in every tensor of the region. For moving exactly the rows
+        a request needs (a partial last block, the trailing window) rather than whole blocks;
+        it builds its descriptors per call instead of using the prepared lists."""
+        self._check_open()
+        p = self._peers.get(peer)
+        if p is None:
+            return Transfer.failed(self, peer, TransferFailed(f"not connected to {peer}", "not connected"))
+        local, remote = self._span_rows(p, spans)
+        nbytes = int(local[:, 1].sum()) if len(local) else 0
+        if not nbytes:
+            if notify:
+                self.send_notification(peer, notify)
+            t = Transfer(self, peer, None, 0, None)
+            t.state, t.finished = "done", t.started
+            return t
+        mem = self._regions[spans[0][0]].mem_type
+        try:
+            handle = self._agent.initialize_xfer("READ", self._agent.get_xfer_descs(local, mem),
+                                                 self._agent.get_xfer_descs(remote, mem), peer, notify)
+        except Exception as exc:
+            self.disconnect(peer, f"{type(exc).__name__}: {exc}")
+            return Transfer.failed(self, peer, TransferFailed(f"READ from {peer} not created: {exc}", exc))
+        return self._post(p, handle, nbytes, timeout_s)
+
+    def _span_rows(self, p: _Peer, spans) -> tuple[np.ndarray, np.ndarray]:
+        """[N, 3] (address, bytes, device) descriptor rows, local and remote, one per (span, tensor)."""
+        local, remote = [], []
+        for name, lblock, rblock, offset, nbytes in spans:
+            region, geo = self._regions.get(name), p.geometry.get(name)
+            if region is None or geo is None:
+                raise KeyError(f"unknown region {name!r}")
+            if not (0 <= lblock < region.num_blocks and 0 <= rblock < geo.num_blocks):
+                raise ValueError(f"region {name}: block {lblock} (local) or {rblock} (remote) out of range")
+            if offset < 0 or nbytes < 0 or offset + nbytes > region.block_bytes:
+                raise ValueError(f"region {name}: span [{offset}, {offset + nbytes}) outside a "
+                                 f"{region.block_bytes} B block")
+            if not nbytes:
+                continue
+            for t, base in zip(region.tensors, geo.base_addrs):
+                local.append((t.data_ptr() + lblock * region.block_bytes + offset, nbytes, region.device_id))
+                remote.append((base + rblock * geo.block_bytes + offset, nbytes, geo.device_id))
+        return np.array(local, dtype=np.uint64).reshape(-1, 3), np.array(remote, dtype=np.uint64).reshape(-1, 3)
+
+    def _post(self, p: _Peer, handle: Any, nbytes: int, timeout_s: float | None) -> Transfer:
+        t = Transfer(self, p.name, handle, nbytes, timeout_s)
         self._pending.add(t)
         p.transfers.add(t)
         try:
             status = self._agent.transfer(handle)
         except Exception as exc:
-            self._transfer_failed(t, f"READ from {peer} not posted: {type(exc).__name__}: {exc}", exc, drop_peer=True)
+            self._transfer_failed(t, f"READ from {p.name} not posted: {type(exc).__name__}: {exc}", exc,
+                                  drop_peer=True)
             return t
         if status == "ERR":
-            self._transfer_failed(t, f"READ from {peer} not posted (NIXL status ERR)", "ERR", drop_peer=True)
+            self._transfer_failed(t, f"READ from {p.name} not posted (NIXL status ERR)", "ERR", drop_peer=True)
         return t
 
     def _indices(self, p: _Peer, items) -> tuple[np.ndarray, np.ndarray, int]:
@@ -523,6 +583,10 @@ class KVTransport:
         deregister memory and drop the agent (its destructor stops NIXL's threads)."""
         if self.closed:
             return
+        try:
+            self.pump()  # peers that already said Bye are dropped, not sent one back
+        except Exception:  # noqa: BLE001 - closing anyway
+            pass
         bye = wire.encode_handshake(wire.Bye())
         for peer in set(self._peers) | set(self._served):
             try:

@@ -1,4 +1,4 @@
-"""Wire types of PD transfer, as msgspec Structs validated on decode (no pickle, no torch).
+"""Wire types of PD transfer, as msgspec Structs validated on decode (nothing that decodes to code, no torch).
 
 Two vocabularies:
   * `KVTransferParams`: the `kv_transfer_params` JSON object of the two-leg HTTP protocol (vLLM's
@@ -20,9 +20,11 @@ client that talks to the decode server directly cannot forge block ids or digest
 """
 from __future__ import annotations
 
+import array
 import hashlib
 import hmac
 import math
+import sys
 from typing import Annotated, Any, Literal, Union
 
 import msgspec
@@ -37,6 +39,7 @@ MAX_REGIONS = 256
 MAX_TENSORS_PER_REGION = 1024
 MAX_DESCRIPTORS = 1 << 26  # bounds what a peer's geometry can make us prepare
 MAX_NOTIFICATION_BYTES = 1 << 20
+MAX_TOP_LOGPROBS = 20
 HANDSHAKE_MAGIC = b"\xc1RSKV"  # 0xc1 is never used by msgpack: app notifications cannot collide
 HANDSHAKE_VERSION = 1
 
@@ -77,6 +80,13 @@ class KVTransferParams(Struct, frozen=True, forbid_unknown_fields=True, omit_def
     remote_num_tokens: Annotated[int, Meta(ge=1, le=MAX_TOKENS)] | None = None  # prompt tokens held
     remote_sliding_first: Annotated[int, Meta(ge=0, le=MAX_TOKENS)] | None = None  # logical block of sliding[0]
     block_digests: Annotated[list[DigestList], Meta(max_length=len(GROUPS))] | None = None
+    # The token the prefill sampled from the prompt's last position (the decode emits it as the
+    # first output token, once the KV it belongs to is verified), and its logprobs if asked for.
+    remote_first_token: Annotated[int, Meta(ge=0, le=2**31 - 1)] | None = None
+    remote_first_logprob: float | None = None
+    remote_first_top_logprobs: Annotated[list[tuple[Annotated[int, Meta(ge=0, le=2**31 - 1)], float]],
+                                         Meta(max_length=MAX_TOP_LOGPROBS)] | None = None
+    remote_prompt_hash: HexHash | None = None  # prompt_hash() of the token ids the prefill computed
     digest_alg: Literal["crc32c"] = DIGEST_ALG
     compat_hash: HexHash | None = None
     params_mac: HexHash | None = None
@@ -86,9 +96,10 @@ class KVTransferParams(Struct, frozen=True, forbid_unknown_fields=True, omit_def
             raise ValueError("do_remote_decode and do_remote_prefill are exclusive")
         leg2 = ("remote_engine_id", "remote_block_ids", "remote_host", "remote_port", "remote_request_id",
                 "remote_blocks_expiry_time", "remote_num_tokens", "remote_sliding_first", "block_digests",
-                "compat_hash")
+                "compat_hash", "remote_first_token", "remote_prompt_hash")
+        optional = ("remote_first_logprob", "remote_first_top_logprobs")
         if not self.do_remote_prefill:
-            given = [f for f in leg2 if getattr(self, f) is not None]
+            given = [f for f in leg2 + optional if getattr(self, f) is not None]
             if given:  # leg 1 / plain requests: a client never supplies where blocks are
                 raise ValueError(f"{given[0]} is only valid with do_remote_prefill")
             return
@@ -144,37 +155,45 @@ def verify(params: KVTransferParams, key: bytes) -> None:
 
 
 def expected_blocks(num_tokens: int, block_size: int, sliding_keep: int) -> dict[str, tuple[int, int]]:
-    """Logical blocks [first, end) a decode server needs per group to continue after
-    `num_tokens` prompt tokens: every full-group block, and the sliding blocks that overlap the
-    trailing `sliding_keep` positions (what BlockManager keeps readable)."""
+    """Logical blocks [first, end) whose ids cross per group after `num_tokens` prompt tokens:
+    every full-group block, and the sliding blocks that overlap the trailing `sliding_keep`
+    positions (the widest sliding window: what the decode may still read)."""
     end = -(-num_tokens // block_size)
     return {"full": (0, end), "sliding": (max(0, num_tokens - sliding_keep) // block_size, end)}
 
 
-def check_for_decode(params: KVTransferParams, *, num_prompt_tokens: int, block_size: int, sliding_keep: int,
-                     compat_hash: str, now: float) -> dict[str, tuple[int, int]]:
+def prompt_hash(token_ids: list[int]) -> str:
+    """SHA-256 (hex) of a prompt's token ids: the decode checks it computes what the prefill did."""
+    body = array.array("I", token_ids)  # uint32 each, little-endian on the wire
+    if sys.byteorder == "big":
+        body.byteswap()
+    return hashlib.sha256(b"ringserve-prompt/1\0" + body.tobytes()).hexdigest()
+
+
+def check_for_decode(params: KVTransferParams, *, prompt_token_ids: list[int], blocks: dict[str, tuple[int, int]],
+                     compat_hash: str, now: float) -> None:
     """The gate before a decode server allocates anything for a remote prefill. Sizes come from
-    the decode's own prompt and layout; the params must agree with them exactly. Returns the
-    logical block range per group (the allocation to make); ProtocolError otherwise."""
+    the decode's own prompt and layout (`blocks`: the transfer plan's logical block range per
+    group); the params must agree with them exactly. ProtocolError otherwise."""
     if not params.do_remote_prefill:
         raise ProtocolError("kv_transfer_params: not a remote prefill (do_remote_prefill is false)")
     if params.compat_hash != compat_hash:
         raise ProtocolError("kv_transfer_params: compat_hash differs from this engine's (other model or layout)")
-    if params.remote_num_tokens != num_prompt_tokens:
-        raise ProtocolError(f"kv_transfer_params: remote_num_tokens {params.remote_num_tokens} != "
-                            f"prompt length {num_prompt_tokens}")
+    n = len(prompt_token_ids)
+    if params.remote_num_tokens != n:
+        raise ProtocolError(f"kv_transfer_params: remote_num_tokens {params.remote_num_tokens} != prompt length {n}")
+    if params.remote_prompt_hash != prompt_hash(prompt_token_ids):
+        raise ProtocolError("kv_transfer_params: remote_prompt_hash differs: the prefill computed another prompt")
     if params.remote_blocks_expiry_time <= now:
         raise ProtocolError("kv_transfer_params: the prefill's blocks already expired")
-    want = expected_blocks(num_prompt_tokens, block_size, sliding_keep)
-    for group, (first, end) in want.items():
+    for group, (first, end) in blocks.items():
         ids, _ = params.group_blocks(group)
         if len(ids) != end - first:
             raise ProtocolError(f"kv_transfer_params: group {group} has {len(ids)} blocks, "
-                                f"{end - first} expected for {num_prompt_tokens} tokens")
-    if params.remote_sliding_first != want["sliding"][0]:
+                                f"{end - first} expected for {n} tokens")
+    if params.remote_sliding_first != blocks["sliding"][0]:
         raise ProtocolError(f"kv_transfer_params: remote_sliding_first {params.remote_sliding_first} != "
-                            f"{want['sliding'][0]}")
-    return want
+                            f"{blocks['sliding'][0]}")
 
 
 # ---- notifications (engine ↔ engine over NIXL) ----------------------------------------------

@@ -32,29 +32,43 @@ _FLOAT_DTYPES = {torch.float32: False, torch.bfloat16: True}
 
 
 @triton.jit
-def _row_values(rows_ptr, state_ptr, slots_ptr, seq, idx, col, S1, Q, ROW: tl.constexpr):
+def _new_row(rows_ptr, stride, ape_ptr, pos_ptr, r, col, RATIO, WIDTH: tl.constexpr, HAS_APE: tl.constexpr, mask):
+    """Row r of this step at columns `col` in fp32, [C | Z + ape[pos % m]] when the rows come raw."""
+    v = tl.load(rows_ptr + r.to(tl.int64) * stride + col, mask=mask, other=0.0).to(tl.float32)
+    if HAS_APE:
+        slot = tl.load(pos_ptr + r) % RATIO
+        is_gate = col >= WIDTH
+        v += tl.load(ape_ptr + slot * WIDTH + tl.maximum(col - WIDTH, 0), mask=mask & is_gate, other=0.0)
+    return v
+
+
+@triton.jit
+def _row_values(rows_ptr, stride, ape_ptr, pos_ptr, state_ptr, slots_ptr, seq, idx, col, S1, Q, RATIO,
+                ROW: tl.constexpr, WIDTH: tl.constexpr, HAS_APE: tl.constexpr):
     """Values at column tile `col` of window row `idx` of sequence `seq` (idx < S1: history)."""
+    r = seq * Q + tl.maximum(idx - S1, 0)                         # the step's row (when not history)
     # Scalars broadcast to the tile first: masks must have the pointer's shape.
     idx = tl.zeros_like(col) + idx
     slot = tl.zeros_like(col) + tl.load(slots_ptr + seq * (S1 + Q) + tl.minimum(idx, S1 + Q - 1))
     from_pool = idx < S1
     hist = tl.load(state_ptr + tl.maximum(slot, 0).to(tl.int64) * ROW + col, mask=from_pool & (slot >= 0),
                    other=0.0)
-    new = tl.load(rows_ptr + (seq * Q + tl.maximum(idx - S1, 0)).to(tl.int64) * ROW + col, mask=idx >= S1,
-                  other=0.0)
+    new = _new_row(rows_ptr, stride, ape_ptr, pos_ptr, r, col, RATIO, WIDTH, HAS_APE, idx >= S1)
     return tl.where(from_pool, hist, new), from_pool & (slot < 0)
 
 
 @triton.jit
-def _pool_channels(rows_ptr, state_ptr, slots_ptr, seq, j, chan, S1, Q, RATIO, SPAN,
-                   ROW: tl.constexpr, WIDTH: tl.constexpr, DIM: tl.constexpr, OVERLAP: tl.constexpr):
+def _pool_channels(rows_ptr, stride, ape_ptr, pos_ptr, state_ptr, slots_ptr, seq, j, chan, S1, Q, RATIO, SPAN,
+                   ROW: tl.constexpr, WIDTH: tl.constexpr, DIM: tl.constexpr, OVERLAP: tl.constexpr,
+                   HAS_APE: tl.constexpr):
     """Softmax-gated pooling of output channels `chan` (any tile shape) for token j of `seq`."""
     gmax = tl.full(chan.shape, float("-inf"), tl.float32)
     for s in range(0, SPAN):
         off = chan
         if OVERLAP:
             off = tl.where(s >= RATIO, chan + DIM, chan)       # Cb of this window, Ca of the previous one
-        gate, missing = _row_values(rows_ptr, state_ptr, slots_ptr, seq, j + s, WIDTH + off, S1, Q, ROW)
+        gate, missing = _row_values(rows_ptr, stride, ape_ptr, pos_ptr, state_ptr, slots_ptr, seq, j + s, WIDTH + off, S1, Q,
+                                     RATIO, ROW, WIDTH, HAS_APE)
         gmax = tl.maximum(gmax, tl.where(missing, float("-inf"), gate))
     total = tl.zeros(chan.shape, tl.float32)
     acc = tl.zeros(chan.shape, tl.float32)
@@ -62,8 +76,10 @@ def _pool_channels(rows_ptr, state_ptr, slots_ptr, seq, j, chan, S1, Q, RATIO, S
         off = chan
         if OVERLAP:
             off = tl.where(s >= RATIO, chan + DIM, chan)
-        kv, missing = _row_values(rows_ptr, state_ptr, slots_ptr, seq, j + s, off, S1, Q, ROW)
-        gate, _ = _row_values(rows_ptr, state_ptr, slots_ptr, seq, j + s, WIDTH + off, S1, Q, ROW)
+        kv, missing = _row_values(rows_ptr, stride, ape_ptr, pos_ptr, state_ptr, slots_ptr, seq, j + s, off, S1, Q, RATIO,
+                                   ROW, WIDTH, HAS_APE)
+        gate, _ = _row_values(rows_ptr, stride, ape_ptr, pos_ptr, state_ptr, slots_ptr, seq, j + s, WIDTH + off, S1, Q,
+                                     RATIO, ROW, WIDTH, HAS_APE)
         e = tl.where(missing, 0.0, tl.exp(gate - gmax))
         total += e
         acc += tl.where(missing, 0.0, kv) * e
@@ -80,8 +96,8 @@ def _round(x, BF16: tl.constexpr):
 
 @triton.jit
 def _compressor_step_kernel(
-        rows_ptr, state_ptr, row_slots, entry_pool, entry_slots, norm_ptr, cos_ptr, sin_ptr, Q, S1, RATIO, SPAN,
-        eps, ROW: tl.constexpr, WIDTH: tl.constexpr, DIM: tl.constexpr, ROPE: tl.constexpr,
+        rows_ptr, stride, ape_ptr, pos_ptr, state_ptr, row_slots, entry_pool, entry_slots, norm_ptr, cos_ptr, sin_ptr,
+        Q, S1, RATIO, SPAN, eps, HAS_APE: tl.constexpr, ROW: tl.constexpr, WIDTH: tl.constexpr, DIM: tl.constexpr, ROPE: tl.constexpr,
         OVERLAP: tl.constexpr, BF16: tl.constexpr, HG: tl.constexpr, FMT: tl.constexpr, R: tl.constexpr,
         REC: tl.constexpr, DATA: tl.constexpr, SCALES: tl.constexpr, NOPE: tl.constexpr, GROUP: tl.constexpr,
         NSCALES: tl.constexpr):
@@ -89,7 +105,7 @@ def _compressor_step_kernel(
     seq = row // Q
     j = row - seq * Q
     col = tl.arange(0, ROW)
-    values = tl.load(rows_ptr + row.to(tl.int64) * ROW + col)
+    values = _new_row(rows_ptr, stride, ape_ptr, pos_ptr, row, col, RATIO, WIDTH, HAS_APE, col < ROW)
     dst = tl.load(row_slots + seq * (S1 + Q) + S1 + j)
     if dst >= 0:
         tl.store(state_ptr + dst.to(tl.int64) * ROW + col, values)
@@ -97,10 +113,10 @@ def _compressor_step_kernel(
     if slot >= 0:
         NG: tl.constexpr = DIM // (2 * HG)
         pair = tl.arange(0, NG)[:, None] * HG + tl.arange(0, HG)[None, :]            # [NG, HG]
-        xe = _pool_channels(rows_ptr, state_ptr, row_slots, seq, j, 2 * pair, S1, Q, RATIO, SPAN, ROW, WIDTH,
-                            DIM, OVERLAP)
-        xo = _pool_channels(rows_ptr, state_ptr, row_slots, seq, j, 2 * pair + 1, S1, Q, RATIO, SPAN, ROW, WIDTH,
-                            DIM, OVERLAP)
+        xe = _pool_channels(rows_ptr, stride, ape_ptr, pos_ptr, state_ptr, row_slots, seq, j, 2 * pair, S1, Q, RATIO,
+                            SPAN, ROW, WIDTH, DIM, OVERLAP, HAS_APE)
+        xo = _pool_channels(rows_ptr, stride, ape_ptr, pos_ptr, state_ptr, row_slots, seq, j, 2 * pair + 1, S1, Q,
+                            RATIO, SPAN, ROW, WIDTH, DIM, OVERLAP, HAS_APE)
         xe = _round(xe, BF16)
         xo = _round(xo, BF16)
         inv = tl.math.rsqrt((tl.sum(tl.sum(xe * xe, axis=1), axis=0) + tl.sum(tl.sum(xo * xo, axis=1), axis=0))
@@ -123,9 +139,17 @@ def _geometry(rows: torch.Tensor, ratio: int, overlap: bool) -> tuple[int, int, 
     return width, dim, (2 if overlap else 1) * ratio
 
 
-def _check(rows, state_pool, row_slots, entry_slots, norm_weight, cos, sin, ratio, overlap, dtype) -> None:
-    if rows.dim() != 3 or rows.dtype != torch.float32:
-        raise ValueError(f"rows must be fp32 [B, q, 2·width], got {rows.dtype} {tuple(rows.shape)}")
+def _check(rows, state_pool, row_slots, entry_slots, norm_weight, cos, sin, ratio, overlap, dtype, ape=None,
+           positions=None) -> None:
+    if rows.dim() != 3 or not rows.dtype.is_floating_point or rows.stride(-1) != 1:
+        raise ValueError(f"rows must be float [B, q, 2·width] with unit column stride, got {rows.dtype} "
+                         f"{tuple(rows.shape)}")
+    if rows.dtype != torch.float32 and ape is None:
+        raise ValueError("rows in the compute dtype come raw from the projection: give ape and positions")
+    if (ape is None) != (positions is None):
+        raise ValueError("ape and positions go together")
+    if ape is not None and (ape.shape != (ratio, rows.shape[-1] // 2) or positions.shape != rows.shape[:2]):
+        raise ValueError(f"ape must be [{ratio}, {rows.shape[-1] // 2}] and positions [B, q]")
     b, t, two_w = rows.shape
     width, dim, span = _geometry(rows, ratio, overlap)
     if state_pool.dtype != torch.float32 or state_pool.dim() != 3 or state_pool.shape[2] != two_w:
@@ -143,23 +167,34 @@ def _check(rows, state_pool, row_slots, entry_slots, norm_weight, cos, sin, rati
 def compressor_step(rows: torch.Tensor, state_pool: torch.Tensor, row_slots: torch.Tensor,
                     entry_pool: torch.Tensor, entry_fmt: str, entry_slots: torch.Tensor, norm_weight: torch.Tensor,
                     eps: float, cos: torch.Tensor, sin: torch.Tensor, ratio: int, overlap: bool,
-                    dtype: torch.dtype = torch.float32) -> None:
+                    dtype: torch.dtype = torch.float32, ape: torch.Tensor | None = None,
+                    positions: torch.Tensor | None = None) -> None:
     """Write this step's rows into ``state_pool`` and the entries they complete into ``entry_pool``.
 
     ``dtype`` is the model's compute dtype: the pooled vector, the normed vector and the rotated
     vector are rounded to it as the engine's torch maths does (rms_norm / apply_rope outputs).
+    With ``ape`` [m, width] fp32 and ``positions`` [B, q], ``rows`` are the raw projections
+    [C | Z] (any float dtype, any row stride: a column slice of a packed GEMM output) and the
+    kernel forms [C | Z + ape[p % m]] in fp32 itself (Compressor.project).
     """
-    _check(rows, state_pool, row_slots, entry_slots, norm_weight, cos, sin, ratio, overlap, dtype)
+    _check(rows, state_pool, row_slots, entry_slots, norm_weight, cos, sin, ratio, overlap, dtype, ape, positions)
     b, t, two_w = rows.shape
     width, dim, span = _geometry(rows, ratio, overlap)
     kv_codec.check_dim(dim)
     if two_w & (two_w - 1):
         raise ValueError(f"rows width must be a power of two, got {two_w}")
     a = kv_codec.pool_args(entry_pool, entry_fmt, dim)
+    if b * t == 0:
+        return
+    if rows.stride(0) != t * rows.stride(1):
+        rows = rows.contiguous()
+    has_ape = ape is not None
     _compressor_step_kernel[(b * t,)](
-        rows.contiguous(), state_pool, row_slots.to(torch.int32).contiguous(), entry_pool,
+        rows, rows.stride(1), ape.float().contiguous() if has_ape else rows,
+        positions.to(torch.int32).contiguous() if has_ape else row_slots, state_pool,
+        row_slots.to(torch.int32).contiguous(), entry_pool,
         entry_slots.to(torch.int32).contiguous(), norm_weight.float().contiguous(), cos.float().contiguous(),
-        sin.float().contiguous(), t, span - 1, ratio, span, eps, ROW=two_w, WIDTH=width, DIM=dim,
+        sin.float().contiguous(), t, span - 1, ratio, span, eps, HAS_APE=has_ape, ROW=two_w, WIDTH=width, DIM=dim,
         ROPE=2 * cos.shape[-1], OVERLAP=overlap, BF16=_FLOAT_DTYPES[dtype], HG=kv_codec.pair_group(a, dim),
         NSCALES=a.num_scales, **kv_codec.pool_constexprs(a))
 
@@ -192,9 +227,13 @@ def _write(pool: torch.Tensor, fmt: str, slots: torch.Tensor, values: torch.Tens
 def compressor_step_reference(rows: torch.Tensor, state_pool: torch.Tensor, row_slots: torch.Tensor,
                               entry_pool: torch.Tensor, entry_fmt: str, entry_slots: torch.Tensor,
                               norm_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor, ratio: int,
-                              overlap: bool, dtype: torch.dtype = torch.float32) -> None:
+                              overlap: bool, dtype: torch.dtype = torch.float32, ape: torch.Tensor | None = None,
+                              positions: torch.Tensor | None = None) -> None:
     """The engine's torch maths (attention_decode.compress), over explicit slot tables."""
-    _check(rows, state_pool, row_slots, entry_slots, norm_weight, cos, sin, ratio, overlap, dtype)
+    _check(rows, state_pool, row_slots, entry_slots, norm_weight, cos, sin, ratio, overlap, dtype, ape, positions)
+    if ape is not None:  # Compressor.project: [C | Z + ape[p % m]] in fp32
+        w = rows.shape[-1] // 2
+        rows = torch.cat((rows[..., :w].float(), rows[..., w:].float() + ape.float()[positions.long() % ratio]), -1)
     b, t, two_w = rows.shape
     width, dim, span = _geometry(rows, ratio, overlap)
     hist_slots = row_slots[:, : span - 1].long()

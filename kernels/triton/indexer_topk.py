@@ -40,7 +40,8 @@ def _visible_count(len_ptr, pos_ptr, row, Q, RATIO):
 
 
 @triton.jit
-def _scores_kernel(q_ptr, w_ptr, pool, table_ptr, len_ptr, pos_ptr, scores_ptr, Q, HI, F, E_MAX, RATIO, scale,
+def _scores_kernel(q_ptr, w_ptr, w_stride, w_scale, pool, table_ptr, len_ptr, pos_ptr, scores_ptr, Q, HI, F, E_MAX,
+                   RATIO, scale,
                    DI: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_E: tl.constexpr, PRECISION: tl.constexpr,
                    FMT: tl.constexpr, R: tl.constexpr, REC: tl.constexpr, DATA: tl.constexpr,
                    SCALES: tl.constexpr, NOPE: tl.constexpr, GROUP: tl.constexpr):
@@ -56,7 +57,7 @@ def _scores_kernel(q_ptr, w_ptr, pool, table_ptr, len_ptr, pos_ptr, scores_ptr, 
         h = tl.arange(0, BLOCK_HI)
         q = tl.load(q_ptr + (row.to(tl.int64) * HI + h)[:, None] * DI + tl.arange(0, DI)[None, :],
                     mask=(h < HI)[:, None], other=0.0).to(tl.float32)              # [BHI, dI]
-        w = tl.load(w_ptr + row.to(tl.int64) * HI + h, mask=h < HI, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + row.to(tl.int64) * w_stride + h, mask=h < HI, other=0.0).to(tl.float32) * w_scale
         dots = tl.dot(q, tl.trans(keys), input_precision=PRECISION)                 # [BHI, BE]
         s = tl.where(dots != dots, dots, tl.maximum(dots, 0.0)) * scale          # ReLU keeping NaN
         score = tl.sum(s * w[:, None], axis=0)                                      # [BE]
@@ -100,7 +101,7 @@ def _topk_kernel(scores_ptr, len_ptr, pos_ptr, table_ptr, idx_ptr, slot_ptr, Q, 
 def _check(q: torch.Tensor, weights: torch.Tensor, block_table: torch.Tensor, lengths: torch.Tensor,
            positions: torch.Tensor, ratio: int, topk: int) -> None:
     b, t, hi, _ = q.shape
-    if weights.shape != (b, t, hi):
+    if weights.shape != (b, t, hi) or weights.stride(-1) != 1:
         raise ValueError(f"weights must be [{b}, {t}, {hi}], got {tuple(weights.shape)}")
     if block_table.dim() != 2 or block_table.shape[0] != b:
         raise ValueError(f"block_table must be [{b}, F], got {tuple(block_table.shape)}")
@@ -114,16 +115,20 @@ def _check(q: torch.Tensor, weights: torch.Tensor, block_table: torch.Tensor, le
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor, fmt: str, block_table: torch.Tensor,
                  lengths: torch.Tensor, positions: torch.Tensor, ratio: int, topk: int,
                  max_entries: int | None = None, precision: str = "ieee", chunk: int = 1024,
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 weight_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k entries per decode query -> (entry indices, slots), int32 [B, q, topk], -1 padded.
 
     q [B, q, Hi, dI] (rope applied), weights [B, q, Hi] (w·Hi^-0.5, as Indexer.queries), pool the
     index-key pool [blocks, R, record] of ``fmt`` (fp4_index or raw), block_table [B, F] full-pool
     block ids (entry e lives in block table[b, e // R] at offset e % R), lengths [B] entries written,
     positions [B, q]. max_entries (default F·R) bounds the entry axis (the scratch width).
+    ``weight_scale`` multiplies the weights in fp32 (Indexer.queries' Hi^-0.5), which may be a
+    column slice of a wider projection output (unit stride along Hi).
     """
     _check(q, weights, block_table, lengths, positions, ratio, topk)
     b, t, hi, di = q.shape
+    if weights.stride(0) != t * weights.stride(1):
+        weights = weights.contiguous()
     kv_codec.check_dim(di)
     a = kv_codec.pool_args(pool, fmt, di)
     e_max = block_table.shape[1] * a.records_per_block if max_entries is None else max_entries
@@ -136,7 +141,8 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor, fmt
     block_e = 16
     block_hi = max(16, triton.next_power_of_2(hi))
     _scores_kernel[(rows, triton.cdiv(max(e_max, 1), block_e))](
-        q.contiguous(), weights.contiguous(), pool, table, lens, pos, scores, t, hi, table.shape[1], e_max, ratio,
+        q.contiguous(), weights, weights.stride(1), float(weight_scale), pool, table, lens, pos, scores, t, hi,
+        table.shape[1], e_max, ratio,
         di**-0.5, DI=di, BLOCK_HI=block_hi, BLOCK_E=block_e, PRECISION=precision, **kv_codec.pool_constexprs(a))
     idx = torch.empty(b, t, topk, dtype=torch.int32, device=dev)
     slots = torch.empty_like(idx)
@@ -150,9 +156,10 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor, fmt
 def indexer_topk_reference(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor, fmt: str,
                            block_table: torch.Tensor, lengths: torch.Tensor, positions: torch.Tensor, ratio: int,
                            topk: int, max_entries: int | None = None, precision: str = "ieee", chunk: int = 1024,
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
+                           weight_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch scores over every addressable entry, masked, then a stable descending sort."""
     _check(q, weights, block_table, lengths, positions, ratio, topk)
+    weights = weights.float() * weight_scale
     b, t, hi, di = q.shape
     per_block = pool.shape[1]
     e_max = block_table.shape[1] * per_block if max_entries is None else max_entries

@@ -33,9 +33,10 @@ def _project(acc, x, fn_ptr, row0, rows, ND, cols, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _mhc_mix_kernel(streams_ptr, fn_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr, T, ITERS,
-                    hc_eps, norm_eps, N: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, CH: tl.constexpr,
-                    COLLAPSE: tl.constexpr, PRECISION: tl.constexpr):
+def _mhc_mix_kernel(streams_ptr, fn_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr, norm_ptr, T, ITERS,
+                    hc_eps, norm_eps, norm_out_eps, N: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
+                    CH: tl.constexpr, COLLAPSE: tl.constexpr, NORM: tl.constexpr, BF16: tl.constexpr,
+                    PRECISION: tl.constexpr):
     ND: tl.constexpr = N * D
     NN: tl.constexpr = N * N
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -79,13 +80,32 @@ def _mhc_mix_kernel(streams_ptr, fn_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr,
         # pre as [BT, N]: pick column k of the padded [BT, 16] tile by a masked sum.
         pick = k[None, :, None] == j[None, None, :]
         pre_k = tl.sum(tl.where(pick, pre[:, None, :], 0.0), axis=2)                  # [BT, N]
+        inv = tl.full([BLOCK_T], 1.0, tl.float32)
+        if NORM:  # pass 1: the RMS of the collapsed (rounded) vector; pass 2 recomputes it
+            ss = tl.zeros([BLOCK_T], tl.float32)
+            for d0 in range(0, D, CH):
+                y = _collapse_chunk(streams_ptr, rows, pre_k, k, d0, tmask, D, CH, BF16)
+                ss += tl.sum(y * y, axis=1)
+            inv = tl.math.rsqrt(ss / D + norm_out_eps)
         for d0 in range(0, D, CH):
             d = d0 + tl.arange(0, CH)
-            off = rows[:, :, None] + (k[None, :, None] * D + d[None, None, :])
-            h = tl.load(streams_ptr + off, mask=tmask[:, None, None], other=0.0)
-            y = tl.sum(pre_k[:, :, None] * h.to(tl.float32), axis=1)                # [BT, CH]
+            y = _collapse_chunk(streams_ptr, rows, pre_k, k, d0, tmask, D, CH, BF16)
+            if NORM:
+                y = tl.load(norm_ptr + d).to(tl.float32)[None, :] * (y * inv[:, None])
             tl.store(out_ptr + t.to(tl.int64)[:, None] * D + d[None, :], kv_codec.cast(y, out_ptr.dtype.element_ty),
                      mask=tmask[:, None])
+
+
+@triton.jit
+def _collapse_chunk(streams_ptr, rows, pre_k, k, d0, tmask, D: tl.constexpr, CH: tl.constexpr, BF16: tl.constexpr):
+    """Σ_k pre_k · H_k over channels [d0, d0 + CH), rounded to the streams' dtype: [BT, CH] fp32."""
+    d = d0 + tl.arange(0, CH)
+    off = rows[:, :, None] + (k[None, :, None] * D + d[None, None, :])
+    h = tl.load(streams_ptr + off, mask=tmask[:, None, None], other=0.0)
+    y = tl.sum(pre_k[:, :, None] * h.to(tl.float32), axis=1)
+    if BF16:
+        y = kv_codec.round_bf16(y)
+    return y
 
 
 def _check(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor) -> None:
@@ -99,9 +119,13 @@ def _check(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
 
 def mhc_mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, sinkhorn_iters: int,
             hc_eps: float, norm_eps: float, collapse: bool = False, precision: str = "ieee",
-            ) -> tuple[torch.Tensor, ...]:
-    """(pre, post, comb) as engine.layers.hc_mix_weights, plus hc_collapse(streams, pre) if ``collapse``."""
+            norm_weight: torch.Tensor | None = None, out_eps: float = 1e-6) -> tuple[torch.Tensor, ...]:
+    """(pre, post, comb) as engine.layers.hc_mix_weights, plus hc_collapse(streams, pre) if ``collapse``,
+    passed through rms_norm(·, norm_weight, out_eps) when ``norm_weight`` is given (the block's
+    attn_norm / ffn_norm)."""
     _check(streams, fn, base, scale)
+    if norm_weight is not None and (not collapse or norm_weight.shape != (streams.shape[-1],)):
+        raise ValueError("norm_weight [D] needs collapse=True")
     t, n, d = streams.shape
     if n * n < 16 or n & (n - 1):
         raise ValueError(f"mhc_mix needs n a power of two with n·n >= 16, got n={n}")
@@ -118,16 +142,21 @@ def mhc_mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     block_t = 16
     _mhc_mix_kernel[(triton.cdiv(max(t, 1), block_t),)](
         streams.contiguous(), fn.float().contiguous(), base.float().contiguous(), scale.float().contiguous(), pre,
-        post, comb, out, t, sinkhorn_iters, hc_eps, norm_eps, N=n, D=d, BLOCK_T=block_t, CH=ch, COLLAPSE=collapse,
-        PRECISION=precision)
+        post, comb, out, norm_weight if norm_weight is not None else pre, t, sinkhorn_iters, hc_eps, norm_eps, out_eps,
+        N=n, D=d, BLOCK_T=block_t, CH=ch, COLLAPSE=collapse, NORM=norm_weight is not None,
+        BF16=streams.dtype == torch.bfloat16, PRECISION=precision)
     return (pre, post, comb, out) if collapse else (pre, post, comb)
 
 
 def mhc_mix_reference(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                       sinkhorn_iters: int, hc_eps: float, norm_eps: float, collapse: bool = False,
-                      precision: str = "ieee") -> tuple[torch.Tensor, ...]:
-    """engine.layers.hc_mix_weights (+ hc_collapse), unchanged."""
-    from engine.layers import hc_collapse, hc_mix_weights
+                      precision: str = "ieee", norm_weight: torch.Tensor | None = None,
+                      out_eps: float = 1e-6) -> tuple[torch.Tensor, ...]:
+    """engine.layers.hc_mix_weights (+ hc_collapse, + rms_norm), unchanged."""
+    from engine.layers import hc_collapse, hc_mix_weights, rms_norm
 
     pre, post, comb = hc_mix_weights(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
-    return (pre, post, comb, hc_collapse(streams, pre)) if collapse else (pre, post, comb)
+    if not collapse:
+        return pre, post, comb
+    x = hc_collapse(streams, pre)
+    return pre, post, comb, (x if norm_weight is None else rms_norm(x, norm_weight, out_eps))

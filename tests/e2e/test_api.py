@@ -137,3 +137,29 @@ def test_queue_time_is_measured_in_the_worker(client, server):
         text = r.read().decode()
     count = [line for line in text.splitlines() if line.startswith("ringserve:request_queue_time_seconds_count")]
     assert count and float(count[0].split()[-1]) >= 1
+
+
+def _metric(server, name: str) -> float:
+    req = urllib.request.Request(server.url + "/metrics", headers={"Authorization": f"Bearer {server.api_key}"})
+    with urllib.request.urlopen(req) as r:
+        text = r.read().decode()
+    values = [float(line.split()[-1]) for line in text.splitlines() if line.startswith(name)]
+    return sum(values)
+
+
+def test_a_repeated_prompt_is_served_from_the_prefix_cache_and_counted(client, server):
+    """Same long prompt twice: the second reuses the first's full blocks (prefix caching is on by
+    default) and gives the same greedy text; /metrics counts the hit tokens (vLLM's counter names)."""
+    import time
+
+    model = client.models.list().data[0].id
+    prompt = "the prefix cache keeps full blocks of a prompt for the next request " * 6
+    before = _metric(server, "ringserve:prefix_cache_hits_total")
+    first = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0)
+    second = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0)
+    assert second.choices[0].text == first.choices[0].text
+    deadline = time.monotonic() + 10
+    while _metric(server, "ringserve:prefix_cache_hits_total") <= before and time.monotonic() < deadline:
+        time.sleep(0.3)  # metrics refresh once a second from heartbeats
+    assert _metric(server, "ringserve:prefix_cache_hits_total") > before
+    assert _metric(server, "ringserve:prefix_cache_queries_total") >= 2 * second.usage.prompt_tokens

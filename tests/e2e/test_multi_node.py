@@ -22,8 +22,9 @@ PROMPTS = ["hello world", "the quick brown fox", "a", "once upon a time there wa
 HEADERS = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
 
 
-def _group_flags(rpc_port: int, *extra: str) -> list[str]:
-    return ["--dp", "2", "--data-parallel-size-local", "1", "--enable-expert-parallel",
+def _group_flags(rpc_port: int, *extra: str, dp: int = 2) -> list[str]:
+    """A group of `dp` ranks, half on the head and half on one headless node."""
+    return ["--dp", str(dp), "--data-parallel-size-local", str(dp // 2), "--enable-expert-parallel",
             "--data-parallel-rpc-port", str(rpc_port), *extra]
 
 
@@ -39,11 +40,11 @@ def _completions(url: str) -> list[str]:
         return list(pool.map(one, PROMPTS))
 
 
-def _start_group(model_dir, *extra: str) -> tuple[Node, Server]:
+def _start_group(model_dir, *extra: str, dp: int = 2) -> tuple[Node, Server]:
     port = free_port()
-    node = Node(model_dir, *_group_flags(port, *extra), "--data-parallel-start-rank", "1")
+    node = Node(model_dir, *_group_flags(port, *extra, dp=dp), "--data-parallel-start-rank", str(dp // 2))
     try:
-        head = Server(model_dir, *_group_flags(port, *extra))
+        head = Server(model_dir, *_group_flags(port, *extra, dp=dp))
     except BaseException:
         node.stop()
         raise
@@ -51,15 +52,16 @@ def _start_group(model_dir, *extra: str) -> tuple[Node, Server]:
 
 
 def test_two_nodes_serve_what_one_process_serves_and_stop_together(model_dir):
+    """--data-parallel-size 4 --data-parallel-size-local 2 on the head, start rank 2 on the other."""
     reference = Server(model_dir)
     try:
         expected = _completions(reference.url)
     finally:
         assert reference.stop() == 0
-    node, head = _start_group(model_dir)
+    node, head = _start_group(model_dir, dp=4)  # ranks 0-1 on the head, 2-3 on the headless node
     try:
         node_workers = workers(node.proc.pid)
-        assert len(workers(head.proc.pid)) == 1 and len(node_workers) == 1  # one rank on each "node"
+        assert len(workers(head.proc.pid)) == 2 and len(node_workers) == 2
         got = _completions(head.url)
         assert head.get("/health")[0] == 200
     finally:

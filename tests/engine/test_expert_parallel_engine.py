@@ -8,6 +8,7 @@ import asyncio
 import os
 import random
 import subprocess
+import time
 
 import pytest
 
@@ -161,3 +162,41 @@ def test_each_rank_holds_its_share_of_the_experts(model_dir):
                 assert list(held.logical_ids) == placement.local_experts(layer, rank).tolist()
                 for slot, e in enumerate(held.logical_ids):  # each slot holds its logical expert's weights
                     assert torch.equal(held.w13.weight[slot], whole.layers[layer].ffn.experts.w13.weight[e])
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def test_an_idle_group_parks_together_under_two_percent_of_a_core(model_dir):
+    """All ranks idle: they agree every IDLE_PARK_S and wait on their rings in between; each
+    stays under 2% of a core, and a request still wakes the group at once."""
+    async def main():
+        client = EngineClient(model_dir, _config(), threads_per_worker=1,
+                              parallel=ParallelConfig(data_parallel_size=2, enable_expert_parallel=True))
+        await client.start()
+        try:
+            async for _ in client.generate([5, 6, 7], GREEDY):  # warm: first steps allocate
+                pass
+            await asyncio.sleep(1.0)
+            pids = [r.link.process.pid for r in client.ranks]
+            t0, c0 = time.monotonic(), [_cpu_seconds(p) for p in pids]
+            await asyncio.sleep(5.0)
+            used = [(_cpu_seconds(p) - c) / (time.monotonic() - t0) for p, c in zip(pids, c0)]
+            t1 = time.monotonic()
+            first = None
+            async for item in client.generate([8, 9], SamplingParams(max_tokens=1)):
+                first = first or time.monotonic() - t1
+            return used, first
+        finally:
+            await client.shutdown()
+
+    loop = new_event_loop()
+    try:
+        used, first = loop.run_until_complete(main())
+    finally:
+        loop.close()
+    print(f"idle CPU per rank {[f'{u:.2%}' for u in used]}, first token after idle {first * 1000:.0f} ms")
+    assert all(u < 0.02 for u in used), [f"{u:.2%}" for u in used]
+    assert first < 2.0, first

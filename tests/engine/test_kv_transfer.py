@@ -337,6 +337,7 @@ def test_pd_handoff_between_two_kv_caches():
     from engine.kv_transfer.lease import LeaseTable
 
     cfg, n, bs, key = preset_config("tiny"), 40, 16, b"pd-secret"
+    prompt = list(range(7, 7 + n))
     layout = build_layout(cfg, "auto", "fp32", bs)
     keep = layout.sliding_keep(8)
     ident = kv_pools.compat_identity(cfg, layout, model_id="tiny@0", compute_dtype="fp32")
@@ -364,14 +365,16 @@ def test_pd_handoff_between_two_kv_caches():
             remote_sliding_first=hand["sliding"][0], remote_block_ids=[hand[gr][1] for gr in protocol.GROUPS],
             block_digests=[digest.block_digests(kv_pools.group_tensors(p_cache, gr), hand[gr][1])
                            for gr in protocol.GROUPS],
-            compat_hash=prefill.layout_digest()), key)
+            compat_hash=prefill.layout_digest(), remote_first_token=5,
+            remote_prompt_hash=protocol.prompt_hash(prompt)), key)
         body = json.dumps({"kv_transfer_params": protocol.params_to_json(params)})
 
         # decode: validate before allocating anything, then allocate from its own prompt length
         got = protocol.parse_params(json.loads(body)["kv_transfer_params"])
         protocol.verify(got, key)
-        ranges = protocol.check_for_decode(got, num_prompt_tokens=n, block_size=bs, sliding_keep=keep,
-                                           compat_hash=decode.layout_digest(), now=time.time())
+        ranges = protocol.expected_blocks(len(prompt), bs, keep)
+        protocol.check_for_decode(got, prompt_token_ids=prompt, blocks=ranges, compat_hash=decode.layout_digest(),
+                                  now=time.time())
         dseq = d_cache.new_sequence()
         assert d_cache.manager.allocate(dseq.table, n, n)
         local = {"full": dseq.table.full[slice(*ranges["full"])],

@@ -24,13 +24,15 @@ from engine.kv_transfer.lease import LeaseTable
 from engine.kv_transfer.protocol import KVTransferParams, ProtocolError
 
 HASH = "ab" * 32
+PROMPT = list(range(3, 43))  # 40 tokens
 
 
 def _leg2(**over) -> KVTransferParams:
     fields = dict(do_remote_prefill=True, remote_engine_id="prefill-0", remote_block_ids=[[4, 9, 2], [7, 3]],
                   remote_host="10.0.0.7", remote_port=5600, remote_request_id="r-1f2e",
                   remote_blocks_expiry_time=2000.0, remote_num_tokens=40, remote_sliding_first=1,
-                  block_digests=[[1, 2, 3], [4, 5]], compat_hash=HASH)
+                  block_digests=[[1, 2, 3], [4, 5]], compat_hash=HASH, remote_first_token=17,
+                  remote_prompt_hash=protocol.prompt_hash(PROMPT))
     return KVTransferParams(**{**fields, **over})
 
 
@@ -97,11 +99,15 @@ def test_arbitrary_json_is_refused_cleanly_or_parsed_valid(obj):
 
 
 def test_decode_gate_derives_sizes_from_its_own_prompt():
-    p = _leg2()  # 40 tokens, block 16, keep 24: full [0, 3), sliding [1, 3)
-    kw = dict(num_prompt_tokens=40, block_size=16, sliding_keep=24, compat_hash=HASH, now=1000.0)
-    assert protocol.check_for_decode(p, **kw) == {"full": (0, 3), "sliding": (1, 3)}
-    for bad in ({"num_prompt_tokens": 41}, {"num_prompt_tokens": 60}, {"compat_hash": "cd" * 32},
-                {"now": 2000.0}, {"sliding_keep": 40}, {"block_size": 8}):
+    p = _leg2()  # 40 tokens, block 16, window 24: full [0, 3), sliding [1, 3)
+    blocks = protocol.expected_blocks(40, 16, 24)
+    assert blocks == {"full": (0, 3), "sliding": (1, 3)}
+    kw = dict(prompt_token_ids=PROMPT, blocks=blocks, compat_hash=HASH, now=1000.0)
+    protocol.check_for_decode(p, **kw)
+    other = PROMPT[:-1] + [99]  # same length, another prompt
+    for bad in ({"prompt_token_ids": PROMPT + [1]}, {"prompt_token_ids": other}, {"compat_hash": "cd" * 32},
+                {"now": 2000.0}, {"blocks": protocol.expected_blocks(40, 16, 40)},
+                {"blocks": protocol.expected_blocks(40, 8, 24)}):
         with pytest.raises(ProtocolError):
             protocol.check_for_decode(p, **{**kw, **bad})
     with pytest.raises(ProtocolError, match="remote_sliding_first"):

@@ -53,6 +53,22 @@ def counting_writer(name: str, n: int, delay_s: float = 0.0) -> None:
                 time.sleep(delay_s)
 
 
+def writer_to_a_parked_reader(name: str, n: int) -> None:
+    """Writes message i only once the reader has parked (its ``parked`` word is set), so every
+    message must be delivered through the doorbell path."""
+    from ipc import ring_layout as L
+
+    with RingWriter.attach(name) as w:
+        for i in range(n):
+            deadline = time.monotonic() + 10
+            # Wait for the reader to have consumed message i-1 and parked again for message i.
+            while w._q[L.OFF_READ_COUNT // 8] < i or not w._i[L.OFF_READER_PARKED // 4]:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the reader never parked before message {i}")
+                time.sleep(0.0005)
+            w.put(i.to_bytes(8, "little"), timeout=30)
+
+
 def endless_writer(name: str, size: int) -> None:
     """Writes until killed; never closes."""
     w = RingWriter.attach(name)

@@ -21,6 +21,7 @@ from ipc.messages import (
     StepOutputs,
     Submit,
     TokenDelta,
+    Wake,
     WorkerReady,
 )
 from ipc.ring import RingConfig, RingReader, RingWriter
@@ -49,6 +50,7 @@ STRATEGIES = {
     Submit: st.builds(Submit, request_id=count, prompt_token_ids=tokens, params=params),
     Abort: st.builds(Abort, request_ids=st.lists(count, max_size=20)),
     Shutdown: st.builds(Shutdown, reason=text),
+    Wake: st.just(Wake()),
     StepOutputs: st.builds(StepOutputs, deltas=st.lists(delta, max_size=4), finished=st.lists(finished, max_size=4)),
     WorkerReady: st.builds(WorkerReady, rank=count, pid=count, num_kv_blocks=count, kv_block_size=count,
                            max_model_len=count, device=text),

@@ -121,9 +121,11 @@ def test_idle_reader_uses_almost_no_cpu(spawn):
 
 
 def test_sparse_messages_wake_a_parked_reader_without_lost_wakeups(spawn):
+    # The writer puts each message only after the reader has parked, so every get goes through the
+    # park/doorbell path whatever the machine's load (a busy machine cannot turn it into a spin win).
     reader = RingReader.create(RingConfig(slot_bytes=256, num_slots=4, timeout_s=10, park_tick_s=1.0))
-    n = 100
-    proc = spawn.Process(target=kids.counting_writer, args=(reader.name, n, 0.003))
+    n = 50
+    proc = spawn.Process(target=kids.writer_to_a_parked_reader, args=(reader.name, n))
     proc.start()
     try:
         t0 = time.monotonic()
@@ -132,9 +134,10 @@ def test_sparse_messages_wake_a_parked_reader_without_lost_wakeups(spawn):
         _finish(proc)
     finally:
         reader.close()
-    assert reader.stats.parks > n // 2, "the reader should have parked between sparse messages"
+    assert reader.stats.parks >= n, "every message was written to a parked reader"
     assert reader.stats.lost_wakeups == 0
-    assert elapsed < n * 0.003 + 2.0, "a wake-up was late (lost doorbell?)"
+    # A lost doorbell would leave the reader asleep until its 1 s tick: 50 of them would take 50 s.
+    assert elapsed < n * 1.0 / 4, "wake-ups were late (lost doorbells?)"
 
 
 def test_slot_header_sits_where_the_docstring_says():

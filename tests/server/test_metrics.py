@@ -226,3 +226,16 @@ def test_isolated_registries():
     assert REGISTRY.get_sample_value("ringserve:requests_rejected_total",
                                      {"model_name": MODEL, "reason": "overload"}) is None
     assert b"other-model" not in m.render()[0]
+
+
+def test_expert_parallel_stats():
+    m = Metrics(MODEL)
+    m.set_expert_parallel_stats([1.25, 2.0, 1.0], rebalances_total=3)
+    assert val(m, "ringserve:expert_imbalance", layer="1") == 2.0
+    assert val(m, "ringserve:expert_imbalance_max") == 2.0
+    assert val(m, "ringserve:eplb_num_rebalances_total") == 3
+    m.set_expert_parallel_stats([1.1, 1.2, 1.05], rebalances_total=5)  # after a rebalance, evener
+    assert val(m, "ringserve:expert_imbalance", layer="1") == 1.2 and val(m, "ringserve:expert_imbalance_max") == 1.2
+    assert val(m, "ringserve:eplb_num_rebalances_total") == 5
+    names = {f.name for f in text_string_to_metric_families(m.render()[0].decode())}
+    assert {"ringserve:expert_imbalance", "ringserve:eplb_num_rebalances"} <= names

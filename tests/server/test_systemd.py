@@ -278,3 +278,32 @@ def test_unit_roles_of_a_multi_node_group():
     assert "GLOO_SOCKET_IFNAME" not in _unit()
     with pytest.raises(ValueError):
         _unit(role="worker")
+
+
+def test_unit_roles_of_pd_disaggregation():
+    """One unit per PD side; the proxy runs `ringserve proxy` without GPU device access."""
+    pre = _unit(serve_args=["--kv-role", "prefill", "--kv-transfer", "nixl"], role="prefill")
+    dec = _unit(serve_args=["--kv-role", "decode", "--kv-transfer", "nixl"], role="decode")
+    proxy = _unit(serve_args=["--prefill", "http://p:8001", "--decode", "http://d:8002"], role="proxy",
+                  command="proxy")
+    assert "ringserve-prefill.service" in pre
+    assert "ringserve-decode.service" in dec
+    assert _directives(pre)["ExecStart"][0].split()[:2] == ["/usr/local/bin/ringserve", "serve"]
+    assert _directives(proxy)["ExecStart"][0].split()[:2] == ["/usr/local/bin/ringserve", "proxy"]
+    assert "DeviceAllow" in _directives(pre) and "DeviceAllow" not in _directives(proxy)
+    assert "NIXL listener" in pre and "GLOO_SOCKET_IFNAME" not in pre
+    for unit in (pre, dec, proxy):
+        assert _directives(unit)["Restart"] == ["on-failure"]
+
+
+def test_systemd_unit_command_infers_and_checks_the_pd_role(capsys):
+    from server.cli import main
+
+    assert main(["systemd-unit", "--", "--kv-role", "decode", "--kv-transfer", "nixl"]) == 0
+    assert "ringserve-decode.service" in capsys.readouterr().out
+    assert main(["systemd-unit", "--role", "proxy", "--", "--prefill", "http://p:1", "--decode", "http://d:2"]) == 0
+    assert " proxy --prefill" in capsys.readouterr().out
+    assert main(["systemd-unit", "--role", "prefill", "--", "--kv-role", "decode", "--kv-transfer", "nixl"]) != 0
+    assert "--role prefill does not match" in capsys.readouterr().err
+    assert main(["systemd-unit", "--", "--kv-role", "prefill"]) != 0
+    assert "needs --kv-transfer nixl" in capsys.readouterr().err

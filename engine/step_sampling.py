@@ -1,0 +1,166 @@
+"""A step's sampling and verification on the device, and the step's one read back to the host.
+
+Every request that reaches the end of its tokens samples: a plain decode row draws one token, a
+verification (1 + d rows) runs rejection sampling over its d drafts (engine/speculative.py
+`verify_batch`). All of them go through one batched pass in fixed shapes [P, Q] (Q = 1 + the
+largest d, shorter requests padded): distributions (engine/sampler.py `probs_device`),
+counter-based noise keyed by (request seed, token position, purpose) (engine/counter_rng.py),
+logprobs when asked for. Nothing is read back until `read`, which copies the step's tokens,
+acceptance counts, finiteness flags, drafts and logprobs in one transfer: the step's single host
+sync.
+"""
+
+from __future__ import annotations
+
+import random
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from . import counter_rng
+from .sampler import SamplingRows, probs_device
+from .speculative import verify_batch
+
+
+@dataclass
+class DeviceSample:
+    """The device results of one step's sampling (no host values)."""
+
+    emitted: torch.Tensor  # [P, Q] int64: accepted drafts, then the new token, then −1
+    num_accepted: torch.Tensor  # [P] int64
+    finite: torch.Tensor  # [P] bool: every logit of the request's rows is finite
+    logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # chosen [P, Q], top ids/values [P, Q, N]
+
+
+@dataclass
+class HostSample:
+    """`DeviceSample` (and the step's drafts) read back."""
+
+    emitted: np.ndarray  # [P, Q]
+    num_accepted: np.ndarray  # [P]
+    finite: np.ndarray  # [P] bool
+    drafts: np.ndarray | None  # [R, k] drafts of the drafting requests
+    chosen: np.ndarray | None  # [P, Q]
+    top_ids: np.ndarray | None  # [P, Q, N]
+    top_values: np.ndarray | None
+
+
+class StepSampler:
+    """Samples steps on `device`; a request without a seed gets a random one for its lifetime."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._seeds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._rng = random.Random()
+
+    def seed_of(self, req) -> int:
+        if req.params.seed is not None:
+            return int(req.params.seed)
+        seed = self._seeds.get(req)
+        if seed is None:
+            seed = self._seeds[req] = self._rng.getrandbits(63)
+        return seed
+
+    def sample(self, pending: list, logits: torch.Tensor) -> DeviceSample:
+        """pending: each with `.sched` (ScheduledRequest) and `.logit_rows` (its 1 + d rows of
+        `logits` [rows, V] fp32, the last of them the newest position)."""
+        q_len = 1 + max(p.sched.num_draft for p in pending)
+        index, params, seeds, counters, history = [], [], [], [], []
+        for p in pending:
+            s, req = p.sched, p.sched.request
+            rows = list(range(p.logit_rows.start, p.logit_rows.stop))
+            index.append(rows + [rows[-1]] * (q_len - len(rows)))
+            first = s.end - len(rows)  # position of the request's first logits row
+            seed = self.seed_of(req)
+            for j in range(q_len):
+                params.append(req.params)
+                seeds.append(seed)
+                counters.append(first + j + 1)  # the position of the token this row produces
+                history.append(req.output_token_ids + req.draft_token_ids[:j] if req.params.has_penalties else [])
+        sel = logits[_device_ints(index, self.device)]  # [P, Q, V]
+        num, vocab = len(pending), logits.shape[-1]
+        rows = SamplingRows(params, seeds, counters, self.device, history)
+        probs = probs_device(sel.view(num * q_len, vocab), rows).view(num, q_len, vocab)
+        drafts, num_drafts, draft_probs = self._drafts(pending, q_len - 1, vocab)
+        counter_grid = rows.counters.view(num, q_len)
+        seed_grid = rows.seeds.view(num, q_len)
+        accept_u = counter_rng.uniform(counter_rng.row_keys(seed_grid[:, :-1].reshape(-1),
+                                                            counter_grid[:, :-1].reshape(-1), counter_rng.ACCEPT))
+        keys = None if rows.all_greedy else counter_rng.row_keys(rows.seeds, rows.counters, counter_rng.SAMPLE)
+        emitted, accepted = verify_batch(probs, drafts, draft_probs, num_drafts, accept_u.view(num, q_len - 1),
+                                         None if keys is None else keys.view(num, q_len))
+        finite = torch.isfinite(sel).flatten(1).all(dim=-1)
+        return DeviceSample(emitted, accepted, finite, self._logprobs(pending, sel, emitted))
+
+    def _drafts(self, pending: list, d: int, vocab: int):
+        """(drafts [P, d] int64, num_drafts [P], draft_probs [P, d, V] or None) on the device."""
+        tokens = [p.sched.request.draft_token_ids[: p.sched.num_draft] for p in pending]
+        # one copy: the padded drafts [P, d] then the counts [P], flattened
+        flat = [x for t in tokens for x in t + [0] * (d - len(t))] + [len(t) for t in tokens]
+        grid = _device_ints([flat], self.device)[0]
+        drafts, num_drafts = grid[: len(pending) * d].view(len(pending), d), grid[len(pending) * d :]
+        if not d or all(p.sched.request.draft_probs is None for p in pending if p.sched.num_draft):
+            return drafts, num_drafts, None
+        parts = []
+        for i, p in enumerate(pending):
+            s = p.sched
+            probs = s.request.draft_probs[: s.num_draft] if s.num_draft and s.request.draft_probs is not None else None
+            if probs is None:  # one-hot drafts (greedy) beside sampled ones
+                probs = torch.zeros(s.num_draft, vocab, device=self.device).scatter_(
+                    -1, drafts[i, : s.num_draft, None], 1.0)
+            parts.append(torch.cat((probs.float(), probs.new_zeros(d - s.num_draft, vocab))) if s.num_draft < d else probs)
+        return drafts, num_drafts, torch.stack(parts)
+
+    @staticmethod
+    def _logprobs(pending: list, sel: torch.Tensor, emitted: torch.Tensor):
+        wants = [p.sched.request.params.logprobs for p in pending if p.sched.request.params.logprobs is not None]
+        if not wants:
+            return None
+        logp = torch.log_softmax(sel.float(), dim=-1)  # the raw distribution, as vLLM reports it
+        chosen = logp.gather(-1, emitted.clamp(min=0)[..., None]).squeeze(-1)
+        top_n = max(wants)
+        if not top_n:
+            return chosen, None, None
+        values, ids = logp.topk(top_n, dim=-1)
+        return chosen, ids, values
+
+
+def _device_ints(rows: list[list[int]], device) -> torch.Tensor:
+    t = torch.tensor(rows, dtype=torch.long)
+    return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t
+
+
+def read(sample: DeviceSample | None, drafts: torch.Tensor | None) -> HostSample | None:
+    """Everything the host needs from the step, in one device → host copy (the step's sync)."""
+    if sample is None and drafts is None:
+        return None
+    ints = []
+    if sample is not None:
+        ints += [sample.emitted.flatten(), sample.num_accepted, sample.finite.long()]
+    if drafts is not None:
+        ints.append(drafts.long().flatten())
+    lp = sample.logprobs if sample is not None else None
+    if lp is not None:
+        ints.append(lp[0].double().flatten().view(torch.long))
+        if lp[1] is not None:
+            ints += [lp[1].flatten(), lp[2].double().flatten().view(torch.long)]
+    blob = torch.cat(ints).cpu().numpy()  # the one sync
+    out, at = [], 0
+    for t in ints:
+        out.append(blob[at : at + t.numel()])
+        at += t.numel()
+    parts = iter(out)
+    emitted = accepted = finite = None
+    if sample is not None:
+        emitted = next(parts).reshape(sample.emitted.shape)
+        accepted, finite = next(parts), next(parts).astype(bool)
+    host_drafts = next(parts).reshape(drafts.shape) if drafts is not None else None
+    chosen = top_ids = top_values = None
+    if lp is not None:
+        chosen = next(parts).view(np.float64).reshape(lp[0].shape)
+        if lp[1] is not None:
+            top_ids = next(parts).reshape(lp[1].shape)
+            top_values = next(parts).view(np.float64).reshape(lp[2].shape)
+    return HostSample(emitted, accepted, finite, host_drafts, chosen, top_ids, top_values)

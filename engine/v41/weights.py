@@ -1,0 +1,107 @@
+"""Load a DeepSeek-V4.1 release directory (config.json with text_config, safetensors with the
+release's tensor names) into `V41Model`, through engine/weights.py's streaming machinery.
+
+The model's parameter names are the release names (engine/weight_names.py `v41_target_of`
+maps them; only the routed experts differ: per-expert w1/w3/w2 fill the stacked w13 / w2).
+Storage, as released: FP8 e4m3 with E8M0 32×32 block scales (projections, shared experts,
+indexer wq_b, Engram wkv, DSpark main_proj), FP4 e2m1 pairs with E8M0 per 32 along K (routed
+experts), FP8 Engram tables with one E8M0 scale per row per 32, BF16 / F32 the rest.
+`weight_dtype='auto'` keeps FP8/FP4 as stored; 'bf16' decodes them at load (exactly: every
+stored value fits bf16). With `experts` (expert parallelism: engine/expert_parallel.py
+`experts_to_load`), each listed MoE layer holds only those logical experts, read alone from the
+shards; unlisted layers (the DSpark stages) hold all of theirs.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..config import WEIGHT_DTYPES, ConfigError, ModelConfig
+from ..linear import GroupedWeight, QuantWeight
+from ..weight_names import v41_target_of
+from ..weights import WeightLoadError, _Checkpoint, _Filler, _is_scale, shard_files, stored_formats
+from .dspark import DSparkStage
+from .model import V41Model
+
+logger = logging.getLogger(__name__)
+
+
+def build_v41(cfg: ModelConfig, with_dspark: bool, experts: dict[int, list[int]] | None = None) -> V41Model:
+    """The model on the meta device; `experts`: MoE layer id (DSpark stage s = num_layers + s) →
+    the logical experts its slots hold."""
+    with torch.device("meta"):
+        model = V41Model(cfg)
+        if with_dspark:
+            model.mtp.extend(DSparkStage(cfg, s) for s in range(cfg.num_nextn_predict_layers))
+    if experts is not None:
+        for layer, moe in moe_layers(model):
+            if layer in experts:
+                moe.experts.select(experts[layer])
+    return model
+
+
+def moe_layers(model: V41Model) -> list[tuple[int, nn.Module]]:
+    """(layer id, MoE) of the backbone, then of the DSpark stages (num_layers + s)."""
+    return [(i, b.ffn) for i, b in enumerate(model.layers)] + [(s.layer, s.ffn) for s in model.mtp]
+
+
+def _targets(ckpt: _Checkpoint, expected: set[str], load_stages: bool) -> dict:
+    out = {}
+    for name in ckpt.location:
+        if _is_scale(name, ckpt.location):
+            continue
+        if name.startswith("mtp.") and not load_stages:
+            out[name] = None  # read nothing, but account for it
+            continue
+        target = v41_target_of(name)
+        if target is None or target.internal not in expected:
+            raise WeightLoadError(f"unexpected tensor {name} in {ckpt.location[name].name}")
+        out[name] = target
+    return out
+
+
+def model_shards(model_dir: Path) -> list[Path]:
+    """The index's shards, else `model.safetensors` alone when present (a directory may hold
+    other safetensors files, e.g. golden logprobs), else every `*.safetensors`."""
+    if not (model_dir / "model.safetensors.index.json").exists() and (model_dir / "model.safetensors").exists():
+        return [model_dir / "model.safetensors"]
+    return shard_files(model_dir)
+
+
+def load_v41(model_dir: str | Path, device: str = "cpu", progress: bool = False, load_mtp: bool = True,
+             weight_dtype: str = "auto", experts: dict[int, list[int]] | None = None) -> V41Model:
+    if weight_dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {weight_dtype!r}")
+    model_dir = Path(model_dir)
+    cfg = ModelConfig.from_model_dir(model_dir)
+    ckpt = _Checkpoint(model_shards(model_dir))
+    has_stages = any(n.startswith("mtp.") for n in ckpt.location)
+    model = build_v41(cfg, load_mtp and has_stages and cfg.num_nextn_predict_layers > 0)
+    names = {n for n, _ in model.named_parameters()}
+    targets = _targets(ckpt, names, len(model.mtp) > 0)
+    if weight_dtype == "auto":
+        for path, fmt in stored_formats(model, ckpt, targets).items():
+            model.get_submodule(path).set_format(fmt)
+    if experts is not None:
+        for layer, moe in moe_layers(model):
+            if layer in experts:
+                moe.experts.select(experts[layer])
+    model.to_empty(device=device)
+    filler = _Filler(model, ckpt)
+    with torch.no_grad():
+        for name, target in targets.items():
+            filler.fill(name, target)
+    filler.check_complete()
+    leftover = set(ckpt.location) - filler.consumed
+    if leftover:
+        raise WeightLoadError(f"unexpected tensor {sorted(leftover)[0]} (unused scale or extra tensor)")
+    model.train(False).requires_grad_(False)
+    model.prepare(model_dir)
+    logger.info("loaded V4.1 %s (%d tensors, %.1f MiB read), weights %s", model_dir, len(targets),
+                filler.bytes_read / 2**20, weight_dtype)
+    return model
+

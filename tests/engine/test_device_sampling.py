@@ -1,0 +1,173 @@
+"""The step's on-device sampling: counter noise, batched rejection sampling, shaping with per-row
+tensors, and one host read per decode step (a counting shim over the calls that sync on CUDA)."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import sys
+
+import pytest
+import torch
+
+from engine import counter_rng
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.sampler import SamplingRows, probs_device, to_probs
+from engine.speculative import verify, verify_batch
+from engine.weights import load_model
+from ipc.messages import SamplingParams
+
+TRIALS = 20000
+
+
+def test_counter_noise_is_a_pure_function_of_its_coordinates():
+    seeds = torch.tensor([0, 1, -5, 2**62, 7])
+    counters = torch.tensor([3, 3, 3, 3, 9])
+    a = counter_rng.row_keys(seeds, counters, counter_rng.SAMPLE)
+    assert torch.equal(a, counter_rng.row_keys(seeds.clone(), counters.clone(), counter_rng.SAMPLE))
+    assert len(set(a.tolist())) == 5  # seeds apart
+    assert not torch.equal(a, counter_rng.row_keys(seeds, counters, counter_rng.ACCEPT))  # purposes apart
+    assert not torch.equal(a, counter_rng.row_keys(seeds, counters + 1, counter_rng.SAMPLE))  # positions apart
+    u = counter_rng.uniform(counter_rng.row_keys(torch.arange(TRIALS), torch.zeros(TRIALS, dtype=torch.long), 1))
+    assert ((u > 0) & (u < 1)).all()
+    # uniform: the empirical CDF within 5 standard errors at the deciles
+    for x in torch.arange(0.1, 1.0, 0.1):
+        frac = float((u < x).float().mean())
+        assert abs(frac - float(x)) < 5 * (float(x) * (1 - float(x)) / TRIALS) ** 0.5
+
+
+def _race(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    return (probs / counter_rng.exponential(keys, probs.shape[-1])).argmax(-1)
+
+
+def test_batched_rejection_sampling_preserves_the_target_distribution():
+    """TRIALS independent requests in one verify_batch call: drafts drawn from q with counter
+    noise, verified against p. The first and second emitted tokens are distributed as p (each
+    frequency within 5 standard errors, as tests/engine/test_speculative.py does for `verify`)."""
+    g = torch.Generator().manual_seed(99)
+    vocab, k = 6, 3
+    p = torch.softmax(torch.randn(vocab, generator=g) * 1.5, dim=-1)
+    q = torch.softmax(torch.randn(vocab, generator=g) * 1.5, dim=-1)
+    seeds = torch.arange(TRIALS, dtype=torch.long) * 7919 + 11
+    drafts = torch.stack([_race(q.expand(TRIALS, vocab), counter_rng.row_keys(seeds, torch.full_like(seeds, j),
+                                                                               counter_rng.DRAFT))
+                          for j in range(k)], dim=1)  # [P, k]
+    pos = torch.arange(k, dtype=torch.long)[None, :].expand(TRIALS, k).reshape(-1)
+    accept_u = counter_rng.uniform(counter_rng.row_keys(seeds.repeat_interleave(k), pos, counter_rng.ACCEPT))
+    pos_q = torch.arange(k + 1, dtype=torch.long)[None, :].expand(TRIALS, k + 1).reshape(-1)
+    keys = counter_rng.row_keys(seeds.repeat_interleave(k + 1), pos_q, counter_rng.SAMPLE).view(TRIALS, k + 1)
+    emitted, accepted = verify_batch(p.expand(TRIALS, k + 1, vocab), drafts, q.expand(TRIALS, k, vocab),
+                                     torch.full((TRIALS,), k), accept_u.view(TRIALS, k), keys)
+    rows = torch.arange(TRIALS)
+    assert (emitted[rows, accepted] >= 0).all() and (accepted <= k).all()
+    j = torch.arange(k + 1)[None, :]
+    assert ((emitted == torch.cat((drafts, drafts[:, :1]), 1)) | (j >= accepted[:, None])).all()  # prefix = drafts
+    assert ((emitted == -1) == (j > accepted[:, None])).all()
+    second_rows = accepted >= 1
+    for tokens in (emitted[:, 0], emitted[second_rows, 1]):
+        freq = torch.bincount(tokens, minlength=vocab).float() / tokens.numel()
+        assert ((freq - p).abs() <= 5 * (p * (1 - p) / tokens.numel()).sqrt()).all(), (freq, p)
+    rate = float(torch.minimum(p, q).sum())  # P(first draft accepted) = Σ min(p, q)
+    assert abs(float(second_rows.float().mean()) - rate) <= 5 * (rate * (1 - rate) / TRIALS) ** 0.5
+
+
+def test_batched_greedy_verification_equals_verify_with_ragged_drafts():
+    """One-hot targets, one-hot drafts, requests with 0..3 drafts padded to 3: the same tokens as
+    the per-request `verify`."""
+    rng = random.Random(5)
+    vocab, d = 7, 3
+    cases = []
+    for _ in range(40):
+        n = rng.randint(0, d)
+        argmax = [rng.randrange(vocab) for _ in range(d + 1)]
+        drafts = [a if rng.random() < 0.6 else rng.randrange(vocab) for a in argmax[:n]]
+        cases.append((argmax, drafts))
+    target = torch.zeros(len(cases), d + 1, vocab)
+    for i, (argmax, _) in enumerate(cases):
+        target[i, torch.arange(d + 1), torch.tensor(argmax)] = 1.0
+    padded = torch.tensor([dr + [0] * (d - len(dr)) for _, dr in cases])
+    num = torch.tensor([len(dr) for _, dr in cases])
+    emitted, accepted = verify_batch(target, padded, None, num, torch.rand(len(cases), d), None)
+    for i, (_, drafts) in enumerate(cases):
+        want = verify(target[i, : len(drafts) + 1], drafts, None, None)
+        assert emitted[i, : int(accepted[i]) + 1].tolist() == want
+
+
+def test_per_row_distributions_equal_to_probs():
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=5),
+              SamplingParams(temperature=1.3, top_p=0.8), SamplingParams(temperature=1.0, min_p=0.2),
+              SamplingParams(temperature=0.9, top_k=3, top_p=0.5, min_p=0.05), SamplingParams(temperature=1.0)]
+    logits = torch.randn(len(params), 50, generator=torch.Generator().manual_seed(3)) * 3
+    rows = SamplingRows(params, [0] * len(params), [0] * len(params), "cpu")
+    torch.testing.assert_close(probs_device(logits, rows), to_probs(logits, params), atol=1e-6, rtol=1e-5)
+
+
+# ---- host syncs per step -----------------------------------------------------------------------------
+
+# The Tensor calls that wait for the device on CUDA. numpy() is not among them: on a CUDA tensor
+# it raises, so a device read always goes through one of these first.
+_SYNCING = ("item", "tolist", "cpu", "__bool__", "__int__", "__float__", "nonzero")
+# CPU-only kernel implementations (numba routing and their argument range checks): on a GPU the
+# Triton kernels behind the same dispatch run instead, so their host reads are not the step's.
+_CPU_ONLY = ("kernels/cpu_", "kernels/checks.py")
+
+
+@contextlib.contextmanager
+def count_host_reads():
+    """Collects (call, file:line) of every syncing Tensor call outside the CPU-only kernels. On CPU
+    nothing waits, so this is the CPU stand-in for torch.cuda.set_sync_debug_mode: a step that
+    makes one such call makes one host sync on a GPU."""
+    calls: list[str] = []
+    saved = {name: getattr(torch.Tensor, name) for name in _SYNCING}
+
+    def wrap(name, fn):
+        def counted(self, *args, **kwargs):
+            caller = sys._getframe(1).f_code.co_filename.replace("\\", "/")
+            if not any(part in caller for part in _CPU_ONLY):
+                calls.append(f"{name} {caller}:{sys._getframe(1).f_lineno}")
+            return fn(self, *args, **kwargs)
+        return counted
+
+    for name, fn in saved.items():
+        setattr(torch.Tensor, name, wrap(name, fn))
+    try:
+        yield calls
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.Tensor, name, fn)
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint_factory):
+    return load_model(checkpoint_factory("tiny-topk2", index_topk=2), dtype=torch.float32, progress=False)
+
+
+@pytest.mark.parametrize("spec", [0, 2])
+def test_one_host_read_per_static_decode_step(model, spec):
+    """Uniform decode steps on the static backend (speculation with MTP drafts included, sampled
+    and greedy requests side by side): exactly one syncing call per step, the runner's read."""
+    engine = Engine(model, EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, kv_cache_memory_bytes=4 << 20,
+                                        block_size=16, static_decode=True, cuda_graph_sizes=(1, 2, 4),
+                                        speculative_tokens=spec, adaptive_speculation=False))
+    params = [SamplingParams(max_tokens=8, ignore_eos=True),
+              SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.8, top_p=0.9, seed=4)]
+    for i, p in enumerate(params):
+        engine.add_request(i, [5 + i, 9, 17, 33], p)
+    runner, steps = engine.runner, []
+    execute = runner.execute
+
+    def counted(batch, *args, **kwargs):  # the runner's part of a step: forwards, sampling, drafts
+        static = runner.static_ok(batch)
+        with count_host_reads() as calls:
+            out = execute(batch, *args, **kwargs)
+        steps.append((static, list(calls)))
+        return out
+
+    runner.execute = counted
+    while engine.has_work:
+        engine.step()
+    decode = [calls for static, calls in steps if static]
+    assert len(decode) >= 3 and len(steps) > len(decode)  # the prefill step ran per-sequence
+    assert all(len(calls) == 1 for calls in decode), decode  # the one read back
+    assert not spec or engine.stats.spec_draft_tokens > 0  # verify steps with MTP drafts were among them
