@@ -74,7 +74,18 @@ class RequestStepOutput:
 
 
 @dataclass(slots=True)
+class PromptScores:
+    """Scores of prompt tokens first … first + len − 1 computed this step (prompt_logprobs requests)."""
+
+    first: int  # index in the prompt of the first scored token (≥ 1)
+    logprobs: list[float]
+    ranks: list[int]
+    top_logprobs: list[list[tuple[int, float]]]
+
+
+@dataclass(slots=True)
 class StepOutput:
     """The runner's result: one entry per request that reached its end (request id → output)."""
 
     outputs: dict[int, RequestStepOutput] = field(default_factory=dict)
+    prompt_scores: dict[int, PromptScores] = field(default_factory=dict)  # request id → this step's prompt rows

@@ -21,11 +21,11 @@ import torch
 
 from . import counter_rng
 from .attention_backend import SequenceBackend, StepSeq
-from .batch import Batch, RequestStepOutput, ScheduledRequest, StepOutput
+from .batch import Batch, PromptScores, RequestStepOutput, ScheduledRequest, StepOutput
 from .cuda_graphs import StaticDecodeBackend
 from .kv_cache import KVCache
 from .model import DeepseekV4
-from .sampler import SamplingRows, probs_device, sample_device
+from .sampler import SamplingRows, logprobs_of, probs_device, ranks_of, sample_device
 from .step_sampling import DeviceSample, HostSample, StepSampler, _device_ints, read
 
 
@@ -93,8 +93,11 @@ class ModelRunner:
                 n = 1 + s.num_draft
                 pending.append(_Pending(s, slice(len(logit_rows), len(logit_rows) + n)))
                 logit_rows.extend(range(end - n, end))
+        n_sampled = len(logit_rows)
+        scoring = self._prompt_rows(batch, logit_rows)  # appended after the sampled rows
+        allow_static = allow_static and not scoring
         streams, logits = self._prepare(rows, allow_static=allow_static).run(self.model, logit_rows)
-        sample = self._sample(pending, logits) if pending else None
+        sample = self._sample(pending, logits[:n_sampled]) if pending else None
         drafts = early = None
         if self.k:
             drafts, early = self._run_mtp(batch, streams, pending, sample, num_drafts, lockstep)
@@ -105,7 +108,42 @@ class ModelRunner:
             host = early
             if draft_tokens is not None:
                 host.drafts = self._read(None, draft_tokens).drafts
-        return StepOutput(self._outputs(pending, host, drafts))
+        scores = self._score_prompts(scoring, logits[n_sampled:]) if scoring else {}
+        return StepOutput(self._outputs(pending, host, drafts), scores)
+
+    # ---- prompt scoring (SamplingParams.prompt_logprobs) ---------------------------------------
+    @staticmethod
+    def _prompt_rows(batch: Batch, logit_rows: list[int]) -> list[tuple[ScheduledRequest, int, int]]:
+        """Append to `logit_rows` the rows whose logits score a prompt token not yet scored:
+        row at position q scores prompt[q + 1]. Returns (request, first position, count) each."""
+        scoring, end = [], 0
+        for s in batch.scheduled:
+            end += s.num_tokens
+            req = s.request
+            if req.params.prompt_logprobs is None or req.prompt_scores_sent:
+                continue
+            first = max(s.start, len(req.prompt_scores))  # position q; prompt_scores[q] scores token q + 1
+            last = min(s.end, req.num_prompt_tokens - 1)  # exclusive; position P − 1 predicts the output
+            if first < last:
+                base = end - s.num_tokens - s.start  # batch row of position 0
+                logit_rows.extend(range(base + first, base + last))
+                scoring.append((s, first, last - first))
+        return scoring
+
+    def _score_prompts(self, scoring, logits: torch.Tensor) -> dict[int, PromptScores]:
+        """logits [rows, V] of `_prompt_rows`' rows, in order → each request's PromptScores."""
+        targets = torch.tensor([t for s, q, n in scoring for t in s.request.prompt_token_ids[q + 1: q + 1 + n]],
+                               device=logits.device)
+        top_n = max(s.request.params.prompt_logprobs for s, _, _ in scoring)
+        chosen, top = logprobs_of(logits, targets, top_n)
+        ranks = ranks_of(logits, targets)
+        out, i = {}, 0
+        for s, q, n in scoring:
+            k = s.request.params.prompt_logprobs
+            out[s.request.request_id] = PromptScores(q + 1, chosen[i: i + n], ranks[i: i + n],
+                                                     [row[:k] for row in top[i: i + n]])
+            i += n
+        return out
 
     # ---- sampling and the read back ---------------------------------------------------------------
     def _sample(self, pending: list[_Pending], logits: torch.Tensor) -> DeviceSample:

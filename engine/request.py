@@ -61,6 +61,10 @@ class Request:
     # Seeded requests draw their noise from their own generator, so a seed reproduces the same
     # tokens whatever else shares the batch.
     generator: torch.Generator | None = None
+    # prompt_logprobs requests: scores of prompt tokens 1 … so far (filled as prefill chunks run),
+    # sent with the first delta.
+    prompt_scores: list[tuple[float, int, list[tuple[int, float]]]] = field(default_factory=list)
+    prompt_scores_sent: bool = False
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

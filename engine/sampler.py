@@ -85,6 +85,12 @@ def sample(probs: torch.Tensor, generators: list[torch.Generator | None]) -> tor
     return torch.where(one_hot, probs.argmax(-1), (probs / noise).argmax(-1))
 
 
+def ranks_of(logits: torch.Tensor, tokens: torch.Tensor) -> list[int]:
+    """1 + how many tokens each row rates strictly above its given token (vLLM's rank)."""
+    chosen = logits.float().gather(1, tokens[:, None])  # [R, 1]
+    return ((logits.float() > chosen).sum(dim=-1) + 1).tolist()
+
+
 def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, top_n: int) -> tuple[list[float], list[list[tuple[int, float]]]]:
     """Raw-distribution logprob of each row's token, and its top-n alternatives."""
     logp = torch.log_softmax(logits.float(), dim=-1)

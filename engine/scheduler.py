@@ -17,7 +17,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from ipc.messages import Finished, TokenDelta
+from ipc.messages import Finished, PromptLogprobs, TokenDelta
 
 from .batch import Batch, ScheduledRequest, StepOutput
 from .kv_cache import KVCache
@@ -127,6 +127,8 @@ class Scheduler:
         """Start a request that holds no blocks on its longest usable cached prefix."""
         if self.prefix is None or req.num_computed_tokens or req.seq.table.full:
             return None
+        if req.params.prompt_logprobs is not None and not req.prompt_scores_sent:
+            return None  # scoring needs the logits of every prompt position: compute them (as vLLM does)
         hit = self.prefix.match(req)
         if hit is not None:
             self.prefix.adopt(req, hit)
@@ -173,6 +175,9 @@ class Scheduler:
             if req.is_finished:  # aborted while the step ran
                 continue
             req.num_computed_tokens = s.end
+            scores = step.prompt_scores.get(req.request_id)
+            if scores is not None and scores.first == len(req.prompt_scores) + 1:  # contiguous (a recompute skips)
+                req.prompt_scores.extend(zip(scores.logprobs, scores.ranks, scores.top_logprobs))
             if not s.reaches_end:
                 if prefix is not None:
                     prefix.on_computed(req)
@@ -193,6 +198,9 @@ class Scheduler:
             if req.params.logprobs is not None:
                 delta = TokenDelta(req.request_id, delta.token_ids, out.logprobs[:taken],
                                    out.top_logprobs[:taken] if out.top_logprobs else [[] for _ in range(taken)])
+            if req.params.prompt_logprobs is not None and not req.prompt_scores_sent:
+                delta = TokenDelta(req.request_id, delta.token_ids, delta.logprobs, delta.top_logprobs,
+                                   _prompt_logprobs(req))
             deltas.append(delta)
             if reason is not None:
                 finished.append(self._finish_running(req, reason))
@@ -231,3 +239,10 @@ class Scheduler:
             if self.prefix is not None:
                 self.prefix.release(req, failed)
             self.cache.free(req.seq)
+
+
+def _prompt_logprobs(req: Request) -> PromptLogprobs:
+    """The request's prompt scores for its first delta (they are sent once)."""
+    req.prompt_scores_sent = True
+    lps, ranks, tops = zip(*req.prompt_scores) if req.prompt_scores else ((), (), ())
+    return PromptLogprobs(list(lps), list(ranks), [list(t) for t in tops])

@@ -49,6 +49,9 @@ class SamplingParams(Struct, frozen=True, array_like=True):
     logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None  # None = none; N = token + top N
     stop_token_ids: Annotated[tuple[TokenId, ...], Meta(max_length=MAX_STOP_TOKEN_IDS)] = ()
     ignore_eos: bool = False
+    # Scoring: also the log-probability of every prompt token after the first (None = not
+    # asked; N = each token + its top N), sent once with the request's first delta.
+    prompt_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     # Prefix-cache tenant: requests share cached KV only with requests of the same salt (vLLM's name).
     cache_salt: Annotated[str, Meta(min_length=1, max_length=MAX_CACHE_SALT)] | None = None
 
@@ -87,6 +90,12 @@ class Shutdown(Struct, frozen=True, array_like=True, tag=3):
     reason: str
 
 
+class PromptLogprobs(Struct, frozen=True, array_like=True):
+    """Raw-distribution scores of prompt tokens 1 … P−1 (token 0 has no context to be scored in)."""
+
+    logprobs: list[float]  # log p(prompt[i] | prompt[:i]) for i = 1 … P−1
+    ranks: list[Count]  # 1 = the most likely token
+    top_logprobs: TopLogprobs  # per scored token: [(token_id, logprob), ...], SamplingParams.prompt_logprobs long
 class Wake(Struct, frozen=True, array_like=True, tag=7):
     """A peer of this rank's expert-parallel group got work while the group was parked: join the
     next agreement now (sent on the control ring by the engine client)."""
@@ -99,6 +108,7 @@ class TokenDelta(Struct, frozen=True, array_like=True):
     token_ids: list[TokenId]
     logprobs: list[float] | None = None  # one per token
     top_logprobs: TopLogprobs | None = None  # one list per token
+    prompt: PromptLogprobs | None = None  # with the first delta of a request that asked for them
 
 
 class Finished(Struct, frozen=True, array_like=True):

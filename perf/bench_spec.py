@@ -34,7 +34,7 @@ def run(model, k: int, prompt: list[int], tokens: int, oracle: list[int] | None 
     if oracle is not None:
         engine.runner.draft_override = lambda req, acc, d: oracle[req.num_output_tokens + len(acc):][:k] or d
     engine.add_request(0, prompt, SamplingParams(max_tokens=tokens, ignore_eos=True))
-    out = [t for d in engine.step() for t in d.token_ids]  # prefill and the first token (not timed)
+    out = [t for d in engine.step().deltas for t in d.token_ids]  # prefill and the first token (not timed)
     t0 = time.perf_counter()
     while engine.has_work:
         for d in engine.step().deltas:

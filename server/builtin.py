@@ -1,9 +1,15 @@
-"""The built-in demo model: the `small` preset with seed 0, generated once into a cache dir.
+"""The built-in model: the trained one shipped in server/builtin_model/ when it is there, else
+the `small` preset with random weights (seed 0), generated once into a cache dir.
 
-Generated rather than shipped so the repository stays small; generation is deterministic, so
-every machine gets identical weights. It runs in a child process (`python -m server.builtin`),
-so that the caller, e.g. the HTTP server, never loads torch. The directory is built under a
-temporary name and renamed into place, so a crash mid-write never leaves a half-written model.
+The trained model is a small DeepSeek-V4 with its MTP layer, trained on the Python
+documentation by train/ (`ringserve train-builtin server/builtin_model`; its recipe.json records
+the command, seed, corpus and losses). It is read in place.
+
+The random one is generated rather than shipped so the repository stays small; generation is
+deterministic, so every machine gets identical weights. It runs in a child process
+(`python -m server.builtin`), so that the caller, e.g. the HTTP server, never loads torch. The
+directory is built under a temporary name and renamed into place, so a crash mid-write never
+leaves a half-written model.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 BUILTIN_NAME = "builtin-v4-small-seed0-v1"
+TRAINED_DIR = Path(__file__).resolve().parent / "builtin_model"
 
 
 def cache_root() -> Path:
@@ -44,7 +51,17 @@ def make_model_dir(out_dir: str | Path, preset: str, seed: int = 0, layout: str 
     return out
 
 
+def trained_model_dir() -> Path | None:
+    """The shipped trained model's directory, None when this checkout has none."""
+    if all((TRAINED_DIR / name).exists() for name in ("config.json", "model.safetensors", "tokenizer.json")):
+        return TRAINED_DIR
+    return None
+
+
 def builtin_model_dir() -> Path:
+    trained = trained_model_dir()
+    if trained is not None:
+        return trained
     target = cache_root() / BUILTIN_NAME
     if (target / "config.json").exists() and (target / "tokenizer.json").exists():
         return target

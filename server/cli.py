@@ -1,4 +1,4 @@
-"""The `ringserve` command line: make-model, generate, kv-report, memory-report, serve, bench.
+"""The `ringserve` command line: make-model, generate, kv-report, memory-report, train-builtin, serve, bench.
 
 Every user error (bad flag value, unreadable checkpoint, invalid sampling parameter) ends as
 one line `ringserve: error: …` on stderr and exit status 2, never a traceback.
@@ -187,6 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
                        add_help=False)
     p.add_argument("bench_args", nargs=argparse.REMAINDER)
     p.set_defaults(func=_cmd_bench)
+    p = sub.add_parser("train-builtin", help="train the built-in model (a small V4 on the Python docs): "
+                       "train-builtin OUT_DIR [--steps N …]", add_help=False)
+    p.add_argument("train_args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_cmd_train_builtin)
     p = sub.add_parser("systemd-unit", help="print a systemd unit that runs `ringserve serve` with these flags")
     p.add_argument("--user", default=None, help="run as this account (default: DynamicUser)")
     p.add_argument("--watchdog-sec", type=float, default=60.0)
@@ -214,6 +218,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from perf.serving.cli import main as bench_main
 
     return bench_main(list(args.bench_args))
+
+
+def _cmd_train_builtin(args: argparse.Namespace) -> int:
+    from train.recipe import main as train_main
+
+    return train_main(list(args.train_args))
 
 
 def _cmd_systemd_unit(args: argparse.Namespace) -> int:
@@ -404,6 +414,10 @@ def main(argv: list[str] | None = None) -> int:
         from perf.serving.cli import main as bench_main
 
         return bench_main(argv[1:])
+    if argv[:1] == ["train-builtin"]:  # likewise; its parser imports torch, so it is built only here
+        from train.recipe import main as train_main
+
+        return train_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -21,7 +21,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 from msgspec.structs import replace
 
-from ipc.messages import INT64_MAX, INT64_MIN, Finished
+from ipc.messages import INT64_MAX, INT64_MIN, Finished, PromptLogprobs, TokenDelta
 
 from .protocol import GenerationRequest, ProtocolError, checked, parse_chat, parse_completion
 from .state import AppState, STATE
@@ -185,6 +185,9 @@ class _Run:
                     return
                 await self.events.put((choice, choice.feed(item), 0))
                 return
+            if self.req.score_only:  # max_tokens 0: keep the prompt scores, leave the sampled token out
+                choice.feed(TokenDelta(item.request_id, [], None, None, item.prompt))
+                continue
             if item.token_ids:
                 if choice.state.token_ids:
                     timer.tokens(len(item.token_ids))
@@ -306,10 +309,16 @@ class _Run:
             return {"index": st.index, "message": {"role": "assistant", "content": st.text}, "logprobs": lp,
                     "finish_reason": st.finish_reason}
         text = st.text
+        prompt = self.prompts[st.index // self.req.n]
         if self.req.echo:
-            prompt = self.prompts[st.index // self.req.n]
             text = self.state.tokenizer.decode(prompt) + text
-        return {"index": st.index, "text": text, "logprobs": lp, "finish_reason": st.finish_reason}
+            if lp is not None and st.prompt is not None:
+                lp = _echo_logprobs(self.state.tokenizer, prompt, st.prompt, self.req.logprobs, lp)
+        body = {"index": st.index, "text": text, "logprobs": lp, "finish_reason": st.finish_reason}
+        if self.req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = _vllm_prompt_logprobs(self.state.tokenizer, prompt, st.prompt,
+                                                            self.req.prompt_logprobs)
+        return body
 
     def _logprobs(self, choice: ChoiceStream, start: int) -> dict:
         st, tok = choice.state, self.state.tokenizer
@@ -335,3 +344,36 @@ class _Run:
         prompt = sum(len(self.prompts[i // self.req.n]) for i in range(len(self.choices)) if i % self.req.n == 0)
         completion = sum(len(c.state.token_ids) for c in self.choices)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _echo_logprobs(tok, prompt: list[int], scores: PromptLogprobs, top_n: int, completion: dict) -> dict:
+    """OpenAI legacy completions `logprobs` with the prompt echoed: the prompt's tokens first
+    (the first one unscored: null), then the completion's. Offsets index the echoed text, in which
+    special tokens (BOS) take no characters."""
+    pieces = [tok.decode([t], skip_special_tokens=False) for t in prompt]
+    tops = [{tok.decode([t], skip_special_tokens=False): v for t, v in row[:top_n]} for row in scores.top_logprobs]
+    offsets, pos = [], 0
+    for t in prompt:
+        offsets.append(pos)
+        pos += len(tok.decode([t]))
+    for p in completion["tokens"]:
+        offsets.append(pos)
+        pos += len(p)
+    return {"tokens": pieces + completion["tokens"], "token_logprobs": [None, *scores.logprobs,
+                                                                         *completion["token_logprobs"]],
+            "top_logprobs": [None, *tops, *completion["top_logprobs"]], "text_offset": offsets}
+
+
+def _vllm_prompt_logprobs(tok, prompt: list[int], scores: PromptLogprobs | None, top_n: int) -> list | None:
+    """vLLM's `prompt_logprobs`: null for the first token, then per token {token id: {logprob,
+    rank, decoded_token}} holding the prompt token itself and the top_n most likely."""
+    if scores is None:
+        return None
+    out: list = [None]
+    for t, lp, rank, top in zip(prompt[1:], scores.logprobs, scores.ranks, scores.top_logprobs):
+        entry = {str(t): {"logprob": lp, "rank": rank, "decoded_token": tok.decode([t], skip_special_tokens=False)}}
+        for r, (alt, v) in enumerate(top[:top_n], start=1):
+            entry.setdefault(str(alt), {"logprob": v, "rank": r,
+                                        "decoded_token": tok.decode([alt], skip_special_tokens=False)})
+        out.append(entry)
+    return out

@@ -72,7 +72,11 @@ def openapi_spec(state) -> dict:
                                                       {"type": "array", "items": {"type": "integer", "minimum": 0},
                                                        "minItems": 1}]},
                                  "logprobs": {"type": ["integer", "null"], **_WIRE["logprobs"]},
-                                 "echo": {"type": ["boolean", "null"]}, **_SAMPLING}}
+                                 "echo": {"type": ["boolean", "null"]},
+                                 "prompt_logprobs": {"type": ["integer", "null"], **_WIRE["prompt_logprobs"]},
+                                 **_SAMPLING,
+                                 # 0 = score the prompt only (the engine's own minimum is 1)
+                                 "max_tokens": {"type": ["integer", "null"], **_WIRE["max_tokens"], "minimum": 0}}}
     message = {"type": "object", "required": ["role", "content"],
                "properties": {"role": {"type": "string", "enum": ["system", "user", "assistant"]},
                               "content": {"type": "string"}}}

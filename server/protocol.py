@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from msgspec.structs import replace
+
 from ipc.codec import InvalidField, check
 from ipc.messages import SamplingParams
 
@@ -56,6 +58,11 @@ class GenerationRequest:
     user: str | None = None
     max_tokens_given: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
+    # Scoring (completions): `max_tokens: 0` generates nothing (the engine still samples one
+    # token, which the response leaves out); vLLM's `prompt_logprobs` field returns prompt scores
+    # in each choice's "prompt_logprobs". `echo` with `logprobs` puts them in "logprobs" too.
+    score_only: bool = False
+    prompt_logprobs: int | None = None
     kv_transfer_params: Any = None  # PD disaggregation: engine.kv_transfer.protocol.KVTransferParams
 
 
@@ -127,8 +134,9 @@ def _token_ids(value: Any, name: str) -> list[int]:
     return list(value)
 
 
-def _common(body: dict, limits: Limits, max_tokens_field: str, logprobs: int | None, n: int) -> SamplingParams:
-    max_tokens = _int(body, max_tokens_field, None, 1)
+def _common(body: dict, limits: Limits, max_tokens_field: str, logprobs: int | None, n: int,
+            min_tokens: int = 1) -> SamplingParams:
+    max_tokens = _int(body, max_tokens_field, None, min_tokens)
     if max_tokens_field == "max_completion_tokens" and max_tokens is None:
         max_tokens = _int(body, "max_tokens", None, 1)
     stop_ids = _get(body, "stop_token_ids", (list,), [])
@@ -244,10 +252,20 @@ def parse_completion(body: Any, limits: Limits, served: list[str]) -> Generation
         raise ProtocolError("'best_of' other than n is not supported", "best_of", "unsupported")
     if _get(body, "suffix", (str,), None):
         raise ProtocolError("'suffix' is not supported", "suffix", "unsupported")
-    return GenerationRequest(model, prompts, None, _common(body, limits, "max_tokens", logprobs, n), n, stream, include,
-                             _stop(body, limits), echo=bool(_get(body, "echo", (bool,), False)), logprobs=logprobs,
-                             user=_user(body, limits), max_tokens_given=body.get("max_tokens") is not None,
-                             continuous_usage=continuous,
+    echo = bool(_get(body, "echo", (bool,), False))
+    params = _common(body, limits, "max_tokens", logprobs, n, min_tokens=0)
+    score_only = body.get("max_tokens") == 0
+    prompt_lp = _int(body, "prompt_logprobs", None, 0, limits.max_logprobs)
+    if stream and (score_only or prompt_lp is not None):
+        name = "max_tokens" if score_only else "prompt_logprobs"
+        raise ProtocolError(f"'{name}' for scoring is not supported with 'stream'", name, "unsupported")
+    wanted = [k for k in (prompt_lp, logprobs if echo and not stream else None) if k is not None]
+    if wanted:
+        params = checked(replace(params, prompt_logprobs=max(wanted)))
+    return GenerationRequest(model, prompts, None, params, n, stream, include, _stop(body, limits), echo=echo,
+                             logprobs=logprobs, user=_user(body, limits),
+                             max_tokens_given=body.get("max_tokens") is not None, continuous_usage=continuous,
+                             score_only=score_only, prompt_logprobs=prompt_lp,
                              kv_transfer_params=_kv_transfer_params(body, len(prompts), n, stream))
 
 
@@ -263,6 +281,9 @@ def parse_chat(body: Any, limits: Limits, served: list[str]) -> GenerationReques
         raise ProtocolError("'messages' must be a non-empty array", "messages", "invalid_value")
     if body.get("tools") or body.get("tool_choice") not in (None, "none"):
         raise ProtocolError("tool calling is not supported", "tools", "unsupported")
+    if body.get("prompt_logprobs") is not None:
+        raise ProtocolError("'prompt_logprobs' is supported on /v1/completions only", "prompt_logprobs",
+                            "unsupported")
     want_lp = bool(_get(body, "logprobs", (bool,), False))
     top = _int(body, "top_logprobs", None, 0, limits.max_logprobs)
     if top is not None and not want_lp:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ipc.messages import Finished, TokenDelta
+from ipc.messages import Finished, PromptLogprobs, TokenDelta
 
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -28,6 +28,7 @@ class ChoiceState:
     completion_tokens: int = 0
     error: str | None = None  # why the engine failed or refused the request
     error_code: int = 0
+    prompt: PromptLogprobs | None = None  # prompt scores, when the request asked for them
 
 
 class ChoiceStream:
@@ -45,6 +46,8 @@ class ChoiceStream:
             self.state.completion_tokens = item.completion_tokens
             self.state.error, self.state.error_code = item.error, item.error_code
             return self.finish(item.reason)
+        if item.prompt is not None:
+            self.state.prompt = item.prompt
         return self.push(item.token_ids, item.logprobs, item.top_logprobs)
 
     def push(self, token_ids: list[int], logprobs: list[float] | None, top: list | None) -> str:

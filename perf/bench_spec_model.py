@@ -1,0 +1,104 @@
+"""MTP speculation on a real model (default: the built-in): acceptance and tokens/s at batch 1 and 8.
+
+perf/bench_spec.py measures the mechanism on random weights, whose drafts fail; this runs the
+measurement on a trained checkpoint and text prompts (consecutive windows of a held-out text),
+for each k, with all k drafts verified every step ('fixed', so per-position acceptance is
+measured at every depth) and with load-adaptive speculation (the default), whose choice is
+reported as the mean number of drafts it verified per step. Per-position acceptance i is the
+fraction of verify steps whose first i drafts were all accepted. Greedy output must not change.
+
+    python perf/bench_spec_model.py [--model-dir DIR] [--k 1 2 3] [--batch 1 8] [--tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.config import EngineConfig  # noqa: E402
+from engine.engine import Engine  # noqa: E402
+from engine.weights import load_model  # noqa: E402
+from ipc.messages import SamplingParams  # noqa: E402
+from server.builtin import builtin_model_dir  # noqa: E402
+from server.tokenizer import Tokenizer  # noqa: E402
+
+_DEFAULT_PROMPT = Path(__file__).resolve().parents[1] / "tests" / "data" / "builtin" / "heldout_sample.txt"
+
+
+@dataclass
+class Row:
+    outputs: list[list[int]]
+    tok_s: float  # generated tokens per second over the timed (post-prefill) steps, whole batch
+    accept_len: float  # 1 + accepted drafts per verify step
+    per_position: list[float]
+    drafts_per_step: float  # mean drafts verified per verify step (what adaptive speculation chose)
+
+
+def run(model, k: int, prompts: list[list[int]], tokens: int, adaptive: bool) -> Row:
+    engine = Engine(model, EngineConfig(max_num_seqs=len(prompts), max_num_batched_tokens=4096, speculative_tokens=k,
+                                        kv_cache_memory_bytes=256 << 20, adaptive_speculation=adaptive))
+    for i, p in enumerate(prompts):
+        engine.add_request(i, p, SamplingParams(max_tokens=tokens, ignore_eos=True))
+    out: list[list[int]] = [[] for _ in prompts]
+    first = 0
+    while engine.has_work and first < len(prompts):  # prefills and first tokens, not timed
+        for d in engine.step().deltas:
+            first += not out[d.request_id]
+            out[d.request_id].extend(d.token_ids)
+    done = sum(map(len, out))
+    t0 = time.perf_counter()
+    while engine.has_work:
+        for d in engine.step().deltas:
+            out[d.request_id].extend(d.token_ids)
+    elapsed = time.perf_counter() - t0
+    st = engine.stats
+    n = st.spec_drafts
+    return Row(out, (sum(map(len, out)) - done) / elapsed, 1 + sum(st.spec_accepted_per_position) / n if n else 1.0,
+               [a / n for a in st.spec_accepted_per_position] if n else [], st.spec_draft_tokens / n if n else 0.0)
+
+
+@torch.inference_mode()
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-dir", default=None, help="model directory (default: the built-in model)")
+    parser.add_argument("--k", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--prompt-file", default=str(_DEFAULT_PROMPT), help="text whose token windows prompt")
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model_dir = Path(args.model_dir) if args.model_dir else builtin_model_dir()
+    model = load_model(model_dir, dtype=torch.float32, progress=False)
+    ids = Tokenizer.from_dir(model_dir).encode(Path(args.prompt_file).read_text())
+    print(f"{model_dir.name}, {args.tokens} greedy tokens per sequence after {args.prompt_tokens}-token prompts, "
+          f"fp32, {args.threads} thread(s)")
+    print(f"{'batch':>5} {'speculation':20} {'tok/s':>8} {'vs off':>7} {'accept len':>11} {'drafts/step':>12}"
+          "  per-position acceptance")
+    for batch in args.batch:
+        p = args.prompt_tokens
+        prompts = [ids[i * p: (i + 1) * p] for i in range(batch)]
+        if len(prompts[-1]) < p:
+            raise SystemExit(f"--prompt-file holds {len(ids)} tokens, fewer than {batch} prompts of {p}")
+        base = run(model, 0, prompts, args.tokens, adaptive=False)
+        rows = [("off", base)]
+        for k in args.k:
+            for adaptive in (False, True):
+                row = run(model, k, prompts, args.tokens, adaptive)
+                assert row.outputs == base.outputs, "speculation changed greedy output"
+                rows.append((f"MTP k={k} {'adaptive' if adaptive else 'fixed'}", row))
+        for name, r in rows:
+            print(f"{batch:5} {name:20} {r.tok_s:8.2f} {r.tok_s / base.tok_s:6.2f}x {r.accept_len:11.2f} "
+                  f"{r.drafts_per_step:12.2f}  {' '.join(f'{x:.2f}' for x in r.per_position)}")
+
+
+if __name__ == "__main__":
+    main()
