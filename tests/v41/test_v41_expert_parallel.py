@@ -186,6 +186,11 @@ def _run(model_dir, parallel: ParallelConfig, prompts, session: str | None = Non
                 return tokens
 
             got = await asyncio.wait_for(asyncio.gather(*(one(p) for p in prompts)), timeout=300)
+            # Heartbeats (every 0.25 s) are not in step across ranks: let the idle group's settle.
+            deadline = asyncio.get_running_loop().time() + 10.0
+            while (len({r.last_beat.step for r in client.ranks}) > 1
+                   and asyncio.get_running_loop().time() < deadline):
+                await asyncio.sleep(0.1)
             return got, [r.last_beat for r in client.ranks]
         finally:
             await client.shutdown()
