@@ -15,7 +15,7 @@ import asyncio
 import gc
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Callable
 
@@ -27,6 +27,7 @@ from .request import RequestError
 
 logger = logging.getLogger(__name__)
 WARMUP_REQUEST_ID = INT64_MAX  # never handed out by an engine client
+MAX_EARLY_ABORTS = 65536  # remembered aborts of not-yet-seen ids (a few MB at most)
 
 
 @dataclass
@@ -43,6 +44,11 @@ class Worker:
         self.lockstep = lockstep  # the expert-parallel group's agreement, or None (an independent rank)
         self.stats = WorkerStats()
         self._commands: deque[tuple] = deque()
+        # Aborts of ids this worker has not seen: aborts travel on their own ring, so one can
+        # overtake its request's submission (queued behind others on the request ring). Such a
+        # submission is then finished as aborted on arrival. Bounded (oldest forgotten first); ids
+        # are never reused, so a stale entry (an abort after its request finished) is harmless.
+        self._early_aborts: OrderedDict[int, None] = OrderedDict()
         self._wakeup: asyncio.Event | None = None
         self._stopping = False
         self._gc_started = 0.0
@@ -75,6 +81,10 @@ class Worker:
             cmd = self._commands.popleft()
             if cmd[0] == "submit":
                 _, rid, ids, params, kv = cmd
+                if rid in self._early_aborts:  # its abort came first
+                    del self._early_aborts[rid]
+                    finished.append(Finished(rid, "abort", len(ids), 0))
+                    continue
                 try:
                     self.engine.add_request(rid, ids, params, kv)
                 except RequestError as exc:  # an invariant the edge should have enforced: refuse, don't crash
@@ -84,6 +94,10 @@ class Worker:
                     done = self.engine.abort(rid)
                     if done is not None:
                         finished.append(done)
+                    else:
+                        self._early_aborts[rid] = None
+                        if len(self._early_aborts) > MAX_EARLY_ABORTS:
+                            self._early_aborts.popitem(last=False)
         if finished:
             self.emit(StepOutputs([], finished))
 

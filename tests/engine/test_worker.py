@@ -77,6 +77,23 @@ def test_submit_stream_and_abort(engine):
     assert engine.cache.manager.full.num_used == 0 and engine.cache.manager.sliding.num_used == 0
 
 
+def test_an_abort_that_overtakes_its_submission_still_lands(engine):
+    """Aborts travel on their own ring, so one can arrive before its request's submission (queued
+    behind others on the request ring): the submission is then finished as aborted, never run."""
+    async def scenario(worker, deltas):
+        worker.abort([7])  # not seen yet
+        worker.submit(7, [4] * 12, SamplingParams(max_tokens=500, ignore_eos=True))
+        worker.submit(8, [5, 6], SamplingParams(max_tokens=3, ignore_eos=True))
+        await _until(lambda: {d.request_id for d in deltas if isinstance(d, Finished)} >= {7, 8})
+
+    deltas, _ = _serve(engine, scenario)
+    seven = [d for d in deltas if d.request_id == 7]
+    assert len(seven) == 1 and isinstance(seven[0], Finished) and seven[0].reason == "abort"
+    assert seven[0].completion_tokens == 0
+    assert [d for d in deltas if d.request_id == 8][-1].reason == "length"
+    assert engine.cache.manager.full.num_used == 0 and not engine.scheduler.has_work
+
+
 def test_idle_worker_uses_no_cpu(engine):
     async def scenario(worker, deltas):
         await asyncio.sleep(0.05)
