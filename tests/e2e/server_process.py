@@ -16,10 +16,30 @@ from pathlib import Path
 API_KEY = "test-key-123"
 
 
-def free_port() -> int:
+_HANDED_OUT: set[int] = set()  # ports given to earlier callers in this run: never given twice
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(count: int = 1) -> int:
+    """A free port p with p … p+count−1 all free (a multi-node head also listens on rpc port + 1),
+    none of them handed out before in this run (the kernel may offer a port again that a process
+    started by an earlier caller has not bound yet)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            p = s.getsockname()[1]
+        ports = set(range(p, p + count))
+        if p + count <= 65535 and not ports & _HANDED_OUT and all(_bindable(q) for q in ports - {p}):
+            _HANDED_OUT.update(ports)
+            return p
 
 
 class Server:

@@ -41,7 +41,7 @@ def _completions(url: str) -> list[str]:
 
 
 def _start_group(model_dir, *extra: str, dp: int = 2) -> tuple[Node, Server]:
-    port = free_port()
+    port = free_port(2)  # the rpc port and the rendezvous store on the next one
     node = Node(model_dir, *_group_flags(port, *extra, dp=dp), "--data-parallel-start-rank", str(dp // 2))
     try:
         head = Server(model_dir, *_group_flags(port, *extra, dp=dp))
@@ -112,7 +112,7 @@ def test_a_killed_rank_on_the_other_node_takes_the_group_down(model_dir):
 
 
 def test_a_node_with_other_flags_is_refused_and_a_missing_node_is_named(model_dir):
-    port = free_port()
+    port = free_port(2)  # the rpc port and the rendezvous store on the next one
     node = Node(model_dir, *_group_flags(port, "--max-num-seqs", "3"), "--data-parallel-start-rank", "1")
     cmd = [sys.executable, "-m", "server.cli", "serve", str(model_dir), "--port", str(free_port()),
            "--kv-cache-memory", "0.05", "--block-size", "16", "--threads-per-worker", "1",
