@@ -248,10 +248,9 @@ class _Run:
         try:
             async with aclosing(self._events()) as events:
                 async for choice, payload, _ in events:
-                    if isinstance(payload, ProtocolError):  # after the 200: one error event, then close
+                    if isinstance(payload, ProtocolError):  # after the 200: one error event, then [DONE]
                         await self._send(resp, payload.body())
-                        await resp.write_eof()
-                        return resp
+                        return await self._end(resp)
                     await self._send_delta(resp, choice, payload)
                     if choice.state.finish_reason == "error" and choice.state.error:  # failed after some tokens
                         await self._send(resp, _engine_error(choice.state.error, choice.state.error_code).body())
@@ -264,11 +263,16 @@ class _Run:
             logger.exception("stream %s failed", self.id)
             await self._send(resp, ProtocolError(f"internal error: {type(exc).__name__}", None, "internal_error",
                                                  status=500, err_type="server_error").body())
-            await resp.write_eof()
-            return resp
+            return await self._end(resp)
         if self.req.include_usage:
             await self._send(resp, {"id": self.id, "object": self._chunk_object, "created": self.created,
                                     "model": self.req.model, "choices": [], "usage": self._usage()})
+        return await self._end(resp)
+
+    @staticmethod
+    async def _end(resp: web.StreamResponse) -> web.StreamResponse:
+        """Every stream ends with [DONE], an error or not (as vLLM's do): a client reading to the
+        sentinel never mistakes a failed request for a cut connection."""
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp

@@ -236,7 +236,7 @@ class Proxy:
             except aiohttp.ClientError as exc:  # the decode server went away mid-stream: say so, then end
                 err = {"error": {"message": f"decode server {b.url} stopped mid-response: {type(exc).__name__}",
                                  "type": "server_error", "param": None, "code": "decode_failed"}}
-                await out.write(b"data: " + json.dumps(err).encode() + b"\n\n")
+                await out.write(b"data: " + json.dumps(err).encode() + b"\n\n" + b"data: [DONE]\n\n")
             await out.write_eof()
             return out
 

@@ -70,7 +70,7 @@ def test_seed_reproducible_and_n_choices(client):
     assert a == b
     many = client.completions.create(n=3, **kw)
     assert sorted(c.index for c in many.choices) == [0, 1, 2]
-    assert many.usage.completion_tokens == 24
+    assert many.usage.completion_tokens == 24, [(c.finish_reason, c.text) for c in many.choices]  # seen once as 20
     assert len({c.text for c in many.choices}) > 1
 
 

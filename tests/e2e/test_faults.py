@@ -17,6 +17,7 @@ import pytest
 from ipc import ring_layout as L
 from ipc.segment import SHM_DIR
 
+from process_state import stop_process
 from server_process import Server, segments_of as _segments_of, workers as _workers
 
 HEADERS = {"Authorization": "Bearer test-key-123", "Content-Type": "application/json"}
@@ -94,7 +95,7 @@ def test_corrupt_request_ring_slot_fails_its_requests_and_the_server(model_dir):
     try:
         victim = _workers(server.proc.pid)[0]
         ring = _ring(server.proc.pid, writer=server.proc.pid, reader=victim, min_slot_bytes=1 << 20)
-        os.kill(victim, signal.SIGSTOP)  # its request ring fills with published, unread Submits
+        stop_process(victim)  # its request ring fills with published, unread Submits
         results: list = []
         threads = [threading.Thread(target=_post, args=(server, {"prompt": f"p{i}", "max_tokens": 4}, results))
                    for i in range(6)]
@@ -128,7 +129,7 @@ def test_corrupt_output_ring_slot_fails_its_requests_and_the_server(model_dir):
                                                                "ignore_eos": True}, results))
         client.start()
         time.sleep(1.0)  # generating
-        os.kill(server.proc.pid, signal.SIGSTOP)  # the front process stops reading; the worker writes on
+        stop_process(server.proc.pid)  # the front process stops reading; the worker writes on
         try:
             corrupted = _corrupt_unread(ring)
         finally:

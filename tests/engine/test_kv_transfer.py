@@ -26,6 +26,7 @@ from engine.kv_transfer import digest, protocol  # noqa: E402
 from engine.kv_transfer.nixl_transport import (IncompatiblePeer, KVTransport, PeerUnavailable,  # noqa: E402
                                                TransferFailed, unique_name)
 from kv_transfer_peer import fill_regions  # noqa: E402
+from process_state import stop_process  # noqa: E402
 
 UCX_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", "NIXL_LOG_LEVEL": "WARN"}
 _CTX = mp.get_context("forkserver")
@@ -296,7 +297,7 @@ def test_stalled_server_times_out_and_is_dropped():
         t, _ = _reader(SPEC)
         try:
             t.connect(srv.name, "127.0.0.1", srv.port)
-            os.kill(srv.proc.pid, signal.SIGSTOP)  # alive but silent: no disconnect ever comes
+            stop_process(srv.proc.pid)  # alive but silent: no disconnect ever comes
             tr = t.read(srv.name, "c4", [1, 2, 3], [1, 2, 3], timeout_s=0.5)
             start = time.monotonic()
             with pytest.raises(TransferFailed, match="timed out"):
