@@ -26,6 +26,7 @@ from engine.config import EngineConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from ipc.messages import SamplingParams  # noqa: E402
 from engine.weights import load_model  # noqa: E402
+from perf.machine import header  # noqa: E402
 
 
 def _sync(device: str) -> None:
@@ -71,6 +72,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--speculative-tokens", type=int, default=0)
     args = parser.parse_args()
+    print(header("bench_cuda_graphs"), flush=True)
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     cfg = preset_config(args.preset)
     with tempfile.TemporaryDirectory() as tmp:

@@ -27,6 +27,7 @@ from ipc.loop import new_event_loop  # noqa: E402
 from ipc.messages import SamplingParams  # noqa: E402
 from server.builtin import make_model_dir  # noqa: E402
 from server.engine_client import EngineClient  # noqa: E402
+from perf.machine import header  # noqa: E402
 
 
 def workload(n: int, seed: int = 0) -> list[tuple[list[int], int]]:
@@ -79,6 +80,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=500)
     parser.add_argument("--rate", type=float, default=20.0, help="arrivals per second")
     args = parser.parse_args()
+    print(header("bench_dp"), flush=True)
     requests = workload(args.requests)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_model_dir(Path(tmp) / "tiny", "tiny", dtype="fp32")

@@ -35,15 +35,9 @@ from engine.all2all import NaiveAllGather, PaddedA2A, SlotLayout, TorchA2A  # no
 from engine.distributed import init_group, pick_free_port  # noqa: E402
 from engine.ep_moe import map_to_physical  # noqa: E402
 from engine.layers import clamped_swiglu  # noqa: E402
+from perf.machine import cpu_model, set_cpu_threads  # noqa: E402
 
 BACKENDS = ("torch", "padded", "naive")
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
 
 
 def make_backend(name: str, layout: SlotLayout, args) -> object:
@@ -67,7 +61,7 @@ def grouped_swiglu(w13: torch.Tensor, w2: torch.Tensor, limit: float = 10.0):
 
 
 def rank_main(rank: int, ep: int, port: int, args, out_dir: str) -> None:
-    torch.set_num_threads(args.threads)
+    set_cpu_threads(args.threads)
     group = init_group(rank, ep, "127.0.0.1", port, "gloo", f"bench-{port}", timeout_s=120)
     e, k, h, i = args.experts, args.top_k, args.hidden, args.inter
     g = torch.Generator().manual_seed(rank + 1)

@@ -31,13 +31,7 @@ from engine.config import EngineConfig, ParallelConfig  # noqa: E402
 from ipc.loop import new_event_loop  # noqa: E402
 from ipc.messages import Finished, SamplingParams  # noqa: E402
 from server.engine_client import EngineClient  # noqa: E402
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
+from perf.machine import cpu_model  # noqa: E402
 
 
 def make_model(out: Path, experts: int, top_k: int, hot: list[int] | None = None) -> Path:

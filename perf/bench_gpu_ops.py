@@ -48,6 +48,7 @@ from engine.cuda_graphs import StaticDecodeBackend  # noqa: E402
 from engine.kv_cache import KVCache  # noqa: E402
 from engine.weights import load_model  # noqa: E402
 from kernels.devices import triton_on_cpu  # noqa: E402
+from perf.machine import cpu_model  # noqa: E402
 
 # aten ops that only make a view or allocate: no kernel on a GPU.
 NO_LAUNCH = {"view", "_unsafe_view", "expand", "permute", "transpose", "t", "slice", "select", "unsqueeze",
@@ -385,16 +386,6 @@ def report(model, cache: KVCache, rows: list[StepSeq], q: int, counts: dict[str,
             "kv_read_fused": fused_read}
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=4)
@@ -410,7 +401,7 @@ def main() -> None:
     gap = (logits["static"] - logits["fused"]).abs().max().item()
     cfg = model.cfg
     triton_mode = "interpreter" if os.environ.get("TRITON_INTERPRET") == "1" else "compiled"
-    print(f"CPU: {_cpu_model()} | torch {torch.__version__} | Triton {triton_mode}")
+    print(f"CPU: {cpu_model()} | torch {torch.__version__} | Triton {triton_mode}")
     print(f"tiny model: {cfg.num_layers} layers {list(cfg.layer_kinds)}, H={cfg.num_heads} D={cfg.head_dim}, "
           f"window {cfg.sliding_window}, ratios {sorted(set(cfg.compress_ratios) - {0})}, "
           f"index top-k {cfg.index_topk}, "

@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ipc import codec  # noqa: E402
 from ipc.messages import Finished, SamplingParams, StepOutputs, Submit, TokenDelta  # noqa: E402
 from ipc.ring import RingConfig, RingReader, RingWriter  # noqa: E402
+from perf.machine import cpu_model  # noqa: E402
 
 MIB = 1 << 20
 _ZMQ_IDS = itertools.count()
@@ -278,14 +279,6 @@ def main() -> None:
         res.update(host=platform.node(), cpus=os.cpu_count() or 0, python=platform.python_version())
         with open(args.json, "a") as f:
             f.write(json.dumps(res) + "\n")
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown CPU"
 
 
 def progress(line: str) -> None:

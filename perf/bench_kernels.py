@@ -24,6 +24,7 @@ import torch
 import kernels
 from kernels import cpu_kv, cpu_routing, reference
 from kernels.devices import importable
+from perf.machine import header  # noqa: E402
 
 FORMATS = {"bf16": 512, "fp8_ds_mla": 512, "fp4_kv": 512, "fp4_index": 128}
 
@@ -100,6 +101,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=16384)
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
+    print(header("bench_kernels"), flush=True)
     assert cpu_kv and cpu_routing                           # CPU path is what kernels.* dispatches to here
     memcpy = copy_gbps("cpu", args.repeats)
     print(f"CPU: {torch.get_num_threads()} threads, memcpy {memcpy:.2f} GB/s, rows {args.rows}")

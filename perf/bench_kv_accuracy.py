@@ -26,6 +26,7 @@ from engine.engine import Engine  # noqa: E402
 from engine.kv_cache import KVCache  # noqa: E402
 from engine.weights import load_model  # noqa: E402
 from ipc.messages import SamplingParams  # noqa: E402
+from perf.machine import header  # noqa: E402
 
 
 @torch.inference_mode()
@@ -61,6 +62,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--prompts", type=int, default=4)
     args = parser.parse_args()
+    print(header("bench_kv_accuracy"), flush=True)
     cfg = preset_config("small")
     with tempfile.TemporaryDirectory() as tmp:
         write_checkpoint(tmp, cfg, random_state(cfg, 0), dtype=torch.float32)

@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.attention import SeqSlice  # noqa: E402
 from engine.checkpoint import preset_config, random_state, write_checkpoint  # noqa: E402
 from engine.weights import load_model  # noqa: E402
+from perf.machine import header, set_cpu_threads  # noqa: E402
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -79,7 +80,8 @@ def main() -> None:
     parser.add_argument("--decode-steps", type=int, default=64)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    print(header("bench_model"), flush=True)
+    set_cpu_threads(args.threads)
     from transformers import DeepseekV4ForCausalLM
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]

@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.checkpoint import preset_config, random_state, write_checkpoint  # noqa: E402
 from ipc.messages import SamplingParams  # noqa: E402
 from server.llm import LLM  # noqa: E402
+from perf.machine import header  # noqa: E402
 
 
 def run_ringserve(model_dir: str, prompts: list[list[int]], output_len: int, args) -> float:
@@ -64,6 +65,7 @@ def main() -> None:
     parser.add_argument("--max-batched-tokens", type=int, default=2048)
     parser.add_argument("--skip-transformers", action="store_true")
     args = parser.parse_args()
+    print(header("bench_offline"), flush=True)
     rng = random.Random(0)
     cfg = preset_config("small")
     prompts = [[rng.randrange(2, cfg.vocab_size) for _ in range(rng.randint(args.min_len, args.max_len))]

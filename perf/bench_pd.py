@@ -26,6 +26,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from perf.machine import header  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = {**os.environ, "UCX_TLS": os.environ.get("UCX_TLS", "tcp"),
@@ -140,6 +141,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    print(header("bench_pd"), flush=True)
     tmp = Path(tempfile.mkdtemp(prefix="bench-pd-"))
     model_dir = Path(args.model_dir) if args.model_dir else tmp / "tiny"
     if args.model_dir is None:

@@ -30,6 +30,7 @@ from engine.config import EngineConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.weights import load_model  # noqa: E402
 from ipc.messages import SamplingParams  # noqa: E402
+from perf.machine import header  # noqa: E402
 
 MODES = {"off": dict(enable_prefix_caching=False), "exact": dict(prefix_replay="exact"),
          "bounded": dict(prefix_replay="bounded")}
@@ -117,6 +118,7 @@ def main() -> None:
     p.add_argument("--kv-mib", type=int, default=64)
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     args = p.parse_args()
+    print(header("bench_prefix_cache"), flush=True)
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as d:
         cfg = preset_config(args.preset)

@@ -23,7 +23,6 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import numba
 import torch
@@ -32,6 +31,7 @@ import torch.nn.functional as F
 import kernels
 from engine.weights import dequantize_fp4, dequantize_fp8
 from kernels import reference
+from perf.machine import cpu_model  # noqa: E402
 
 # (name, kind, E, N, K, block or group): V4-Flash / V4.1-Flash-like projections, sized for a CPU.
 CASES = [
@@ -40,16 +40,6 @@ CASES = [
     ("fp4 4096x4096 /32", "fp4", 0, 4096, 4096, 32),
     ("fp4 grouped 16x1024x2048", "fp4_grouped", 16, 1024, 2048, 32),
 ]
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 def median_s(fn: Callable[[], object], repeats: int, cuda: bool = False) -> float:

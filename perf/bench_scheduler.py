@@ -27,6 +27,7 @@ from engine.checkpoint import preset_config  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from ipc.messages import SamplingParams  # noqa: E402
+from perf.machine import header  # noqa: E402
 
 
 class NullModel(nn.Module):
@@ -72,6 +73,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--vocab", type=int, default=32)
     args = parser.parse_args()
+    print(header("bench_scheduler"), flush=True)
     torch.set_num_threads(1)
     print(f"null model, steady greedy decode, median of {args.steps} steps, vocab {args.vocab}")
     print(f"{'batch':>6} {'per-sequence ms':>16} {'static ms':>10} {'static µs/request':>18}")

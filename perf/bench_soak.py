@@ -27,6 +27,7 @@ from ipc.messages import SamplingParams  # noqa: E402
 from engine.weights import load_model  # noqa: E402
 from engine.worker import Worker  # noqa: E402
 from ipc.loop import new_event_loop  # noqa: E402
+from perf.machine import header  # noqa: E402
 
 
 async def soak(worker: Worker, seconds: float, vocab: int) -> int:
@@ -57,6 +58,7 @@ def main() -> None:
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--speculative-tokens", type=int, default=0, help="MTP drafts (adaptive), 0 = off")
     args = parser.parse_args()
+    print(header("bench_soak"), flush=True)
     cfg = preset_config(args.preset)
     with tempfile.TemporaryDirectory() as tmp:
         write_checkpoint(tmp, cfg, random_state(cfg, 0), dtype=torch.float32)

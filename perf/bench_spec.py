@@ -26,6 +26,7 @@ from engine.config import EngineConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from ipc.messages import SamplingParams  # noqa: E402
 from engine.weights import load_model  # noqa: E402
+from perf.machine import header  # noqa: E402
 
 
 def run(model, k: int, prompt: list[int], tokens: int, oracle: list[int] | None = None, adaptive: bool = True):
@@ -55,6 +56,7 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--oracle", action="store_true")
     args = parser.parse_args()
+    print(header("bench_spec"), flush=True)
     cfg = preset_config(args.preset)
     with tempfile.TemporaryDirectory() as tmp:
         write_checkpoint(tmp, cfg, random_state(cfg, 0), dtype=torch.float32)

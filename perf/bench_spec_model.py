@@ -28,6 +28,7 @@ from engine.weights import load_model  # noqa: E402
 from ipc.messages import SamplingParams  # noqa: E402
 from server.builtin import builtin_model_dir  # noqa: E402
 from server.tokenizer import Tokenizer  # noqa: E402
+from perf.machine import header, set_cpu_threads  # noqa: E402
 
 _DEFAULT_PROMPT = Path(__file__).resolve().parents[1] / "tests" / "data" / "builtin" / "heldout_sample.txt"
 
@@ -75,7 +76,8 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    print(header("bench_spec_model"), flush=True)
+    set_cpu_threads(args.threads)
     model_dir = Path(args.model_dir) if args.model_dir else builtin_model_dir()
     model = load_model(model_dir, dtype=torch.float32, progress=False)
     ids = Tokenizer.from_dir(model_dir).encode(Path(args.prompt_file).read_text())

@@ -17,16 +17,9 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from perf.machine import cpu_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return "unknown CPU"
 
 
 def rss_mib(pid: int) -> float:

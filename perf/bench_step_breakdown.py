@@ -53,6 +53,7 @@ from ipc.messages import SamplingParams  # noqa: E402
 from engine.checkpoint import preset_config, random_state, write_checkpoint  # noqa: E402
 from engine.weights import load_model  # noqa: E402
 from perf.bench_gpu_ops import needed_kv  # noqa: E402
+from perf.machine import header  # noqa: E402
 
 COMPONENTS = ("MoE", "attention", "indexer", "compressor", "mHC", "sampling", "comm", "host/other")
 
@@ -224,6 +225,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
+    print(header("bench_step_breakdown"), flush=True)
     if args.device == "cpu":
         torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     model = build(args.preset, args.device)

@@ -27,6 +27,7 @@ import torch
 from engine.config import EngineConfig
 from engine.engine import Engine
 from ipc.messages import SamplingParams
+from perf.machine import header, set_cpu_threads  # noqa: E402
 
 
 def _model_dir(work: Path, arch: str) -> Path:
@@ -129,7 +130,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--steps", type=int, default=16)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    print(header("bench_v41"), flush=True)
+    set_cpu_threads(args.threads)
     args.work.mkdir(parents=True, exist_ok=True)
     bench_tail(args) if args.what == "tail" else bench_decode(args)
 

@@ -37,6 +37,7 @@ sys.path.insert(0, str(REPO))
 
 from perf import peer_llamacpp  # noqa: E402
 from perf.serving import bench, cli, plot, report  # noqa: E402
+from perf.machine import cpu_model  # noqa: E402
 
 
 class CompareError(Exception):
@@ -113,16 +114,6 @@ def _ratio(a: float | None, b: float | None) -> str:
 
 def _fmt(fmt: str, v: float | None) -> str:
     return "n/a" if v is None else fmt.format(v)
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 def table_header() -> str:

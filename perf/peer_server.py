@@ -237,9 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--served-model-name", default=None)
     args = ap.parse_args(argv)
     if args.threads:
-        import torch
+        from perf.machine import set_cpu_threads
 
-        torch.set_num_threads(args.threads)
+        set_cpu_threads(args.threads)
     server = Server(Generator(args.model_dir, args.dtype), args.served_model_name or Path(args.model_dir).name)
     app = web.Application()
     app.add_routes(server.routes())

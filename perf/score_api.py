@@ -17,6 +17,7 @@ import math
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from perf.machine import header  # noqa: E402
 
 
 @dataclass
@@ -68,6 +69,7 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=256)
     parser.add_argument("--api-key", default=None)
     args = parser.parse_args()
+    print(header("score_api"), flush=True)
     s = score_text(args.url, Path(args.text_file).read_text(), args.length, args.api_key)
     print(f"{s.tokens} tokens, {s.chars} characters: {s.nats_per_token:.4f} nats/token, "
           f"{s.bits_per_char:.4f} bits/character")

@@ -8,7 +8,9 @@ In the child, SIGINT is ignored and the device chosen before anything heavy is i
 terminal's Ctrl-C reaches the whole process group, and stopping the workers is the server's job
 (it drains, then sends Shutdown), so a worker must not die of that SIGINT, not even while still
 importing torch; `CUDA_VISIBLE_DEVICES` is set before torch initialises CUDA, so that each rank
-sees exactly its own GPU (as cuda:0).
+sees exactly its own GPU (as cuda:0). The CPU thread budget (`--threads-per-worker`) is set for
+numba as well as torch, also before the import: numba's OpenMP pool otherwise starts with one
+thread per core on its first parallel kernel and resets torch's count to match.
 """
 
 from __future__ import annotations
@@ -70,9 +72,20 @@ class WorkerProcess:
             self.sentinel = -1
 
 
+def pin_cpu_threads(n: int) -> None:
+    """Give this process `n` compute threads in numba and in every OpenMP pool (torch's too).
+    Must run before numba is imported (it reads NUMBA_NUM_THREADS once). Without it a worker asked
+    for 1 thread ran numba kernels on every core, and torch followed after the first of them."""
+    if "numba" in sys.modules:
+        raise RuntimeError("pin_cpu_threads must run before numba is imported")
+    os.environ["NUMBA_NUM_THREADS"] = str(n)
+    os.environ["OMP_NUM_THREADS"] = str(n)
+
+
 def main(argv: list[str]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     args = msgspec.json.decode(argv[1], type=WorkerArgs)
+    pin_cpu_threads(args.num_threads)
     device = args.device
     if args.visible_device is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = args.visible_device

@@ -1,0 +1,41 @@
+"""What every benchmark prints first: the machine it ran on (the CPU model changes between
+machines, and figures from different CPUs are not comparable), and its thread budget."""
+
+from __future__ import annotations
+
+import os
+import platform
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown CPU"
+
+
+def header(what: str = "") -> str:
+    """One line: CPU, usable cores, load average, torch version (if imported), GPU (if any)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    load = " ".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
+    parts = [f"CPU: {cpu_model()}", f"{cores} usable cores", f"load {load}"]
+    try:
+        import torch
+
+        parts.append(f"torch {torch.__version__}")
+        if torch.cuda.is_available():
+            parts.append(f"GPU: {torch.cuda.get_device_name()}")
+    except ImportError:
+        pass
+    return "# " + (what + " — " if what else "") + "; ".join(parts)
+
+
+def set_cpu_threads(n: int) -> None:
+    """Use `n` threads in torch and numba alike (numba's pool would otherwise take every core
+    and reset torch's count when it starts)."""
+    import numba
+    import torch
+
+    numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+    torch.set_num_threads(n)

@@ -1,0 +1,37 @@
+"""A worker keeps to its CPU thread budget (`--threads-per-worker`) in numba and torch alike."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+# The order server.worker_entry.main follows: pin, then import the engine (numba with it), then
+# torch.set_num_threads as engine.worker_process does; then one parallel numba kernel.
+CHILD = """
+import json, sys
+from server.worker_entry import pin_cpu_threads
+pin_cpu_threads(int(sys.argv[1]))
+import torch, numba
+import kernels.cpu_quant_gemm as q
+torch.set_num_threads(int(sys.argv[1]))
+q.act_quant_fp8(torch.randn(64, 256))  # starts numba's thread pool
+print(json.dumps({"numba": numba.get_num_threads(), "torch": torch.get_num_threads()}))
+"""
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core: every budget is the whole machine")
+def test_a_one_thread_worker_stays_on_one_thread_after_numba_starts():
+    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS")}
+    out = subprocess.run([sys.executable, "-c", CHILD, "1"], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"numba": 1, "torch": 1}
+
+
+def test_pinning_after_numba_is_imported_is_refused():
+    code = "import numba\nfrom server.worker_entry import pin_cpu_threads\npin_cpu_threads(1)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "before numba is imported" in out.stderr
