@@ -33,6 +33,7 @@ from .quant import quantize_fp8
 
 GEMM_K_BLOCK = 32  # quantized GEMMs accumulate one 32-wide K block at a time
 ATTN_BLOCK = 64  # the online softmax visits the selected keys 64 at a time
+ATTN_GATHER_BYTES = 64 << 20  # fp32 keys gathered for one block of queries (bounds prefill memory)
 _GEMM_ROWS = 256  # rows per fp64 block-product chunk (bounds the [K/32, rows, O] buffer)
 
 
@@ -187,7 +188,19 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink:
                      scale: float) -> torch.Tensor:
     """q [T, H, D] bf16; kv [N, D] bf16 (K = V); idx [T, K] rows of kv per query, −1 masked;
     sink [H] fp32 → [T, H, D] bf16. Online softmax over blocks of 64 keys, probabilities rounded
-    to bf16 before PV (fp32 accumulate), the sink only in the denominator."""
+    to bf16 before PV (fp32 accumulate), the sink only in the denominator.
+    Queries go ATTN_GATHER_BYTES of gathered fp32 keys at a time: every row is computed on its
+    own keys alone, and the gather for a whole long prefill chunk (T·K·D·4 bytes) would be tens
+    of GB."""
+    rows = max(1, ATTN_GATHER_BYTES // max(1, idx.shape[1] * q.shape[-1] * 4))
+    if q.shape[0] <= rows:
+        return _sparse_attention_rows(q, kv, idx, sink, scale)
+    return torch.cat([_sparse_attention_rows(q[i:i + rows], kv, idx[i:i + rows], sink, scale)
+                      for i in range(0, q.shape[0], rows)])
+
+
+def _sparse_attention_rows(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
+                           scale: float) -> torch.Tensor:
     t, h, d = q.shape
     keys = kv[idx.clamp_min(0)].float()  # [T, K, D]
     valid = idx >= 0

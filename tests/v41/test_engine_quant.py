@@ -135,3 +135,27 @@ def test_pool_reads_back_the_fake_values(fmt, kind, fake):
     slots = torch.tensor([9, 10, 11, 12, 13, 14, 15, 17])
     pool.write(0, slots, x)
     assert same(pool.read(0, slots, torch.bfloat16), fake(x))
+
+
+@pytest.mark.parametrize("row_independent", [False, True])
+def test_sparse_attention_in_query_blocks_equals_one_block(monkeypatch, row_independent):
+    """A long prefill chunk gathers its keys a block of queries at a time; each row depends on its
+    own keys alone, so the blocks give what one gather of every row gives, bit for bit — and
+    both match the test suite's own reference."""
+    from engine.v41 import numerics as nx
+    from tests.v41.ref_ops import sparse_attention as ref_sparse_attention
+
+    g = torch.Generator().manual_seed(7)
+    t, h, d, n, k = 37, 4, 64, 90, 70
+    q = torch.randn(t, h, d, generator=g).bfloat16()
+    kv = torch.randn(n, d, generator=g).bfloat16()
+    idx = torch.randint(0, n, (t, k), generator=g)
+    idx[:, -5:] = -1  # masked tails
+    sink = torch.randn(h, generator=g)
+    with nx.numerics(nx.Numerics(row_independent=row_independent)):
+        whole = nx.sparse_attention(q, kv, idx, sink, d**-0.5)
+        monkeypatch.setattr(nx, "ATTN_GATHER_BYTES", 5 * k * d * 4)  # 5 queries per block: 8 blocks
+        blocked = nx.sparse_attention(q, kv, idx, sink, d**-0.5)
+    assert torch.equal(blocked, whole)
+    torch.testing.assert_close(whole.float(), ref_sparse_attention(q, kv, idx, sink, d**-0.5).float(),
+                               atol=2e-2, rtol=2e-2)
