@@ -38,6 +38,9 @@ class Chunk:
     length: int
     handoff: dict = field(default_factory=dict)  # 'topk', 'candidates' of this forward
     trace: dict | None = None  # index-source layer → (chosen, scores), when tracing
+    # Decoder tail: this layer computed no window rows below this position in this forward (its
+    # rows there are a recycled block's bytes); the queries attend none of them, as vLLM's replay.
+    window_floor: int = 0
 
     @property
     def rows(self) -> slice:
@@ -133,7 +136,7 @@ class Attention(nn.Module):
         for c in chunks:
             r = c.rows
             rows, base = self._window(c, win[r])
-            kv, idx = rows, window_index(positions[r], base, cfg.sliding_window)
+            kv, idx = rows, window_index(positions[r], base, cfg.sliding_window, c.window_floor)
             if self.ratio:
                 ckv, chosen = self._compressed(c, x[r], iq[r] if iq is not None else None, positions[r], freqs)
                 kv = torch.cat([rows, ckv])
@@ -241,12 +244,13 @@ def candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, topk_blocks: i
     return keep.repeat_interleave(block, dim=-1)[:, :n]
 
 
-def window_index(positions: torch.Tensor, base: int, window: int) -> torch.Tensor:
+def window_index(positions: torch.Tensor, base: int, window: int, floor: int = 0) -> torch.Tensor:
     """Key rows (of a buffer whose row 0 is position `base`) of positions t − window + 1..t per
-    query, −1 for slots before the sequence start, in REF's layout (see the module docstring)."""
+    query, −1 for slots before the sequence start or below `floor`, in REF's layout (see the
+    module docstring)."""
     t = positions[:, None]
     if int(positions[0]) == 0:
         pos = (t - window + 1).clamp_min(0) + torch.arange(min(positions.numel(), window), device=t.device)
-        return torch.where(pos <= t, pos - base, -1)
+        return torch.where((pos <= t) & (pos >= floor), pos - base, -1)
     pos = t - window + 1 + torch.arange(window, device=t.device)
-    return torch.where(pos >= 0, pos - base, -1)
+    return torch.where(pos >= max(0, floor), pos - base, -1)

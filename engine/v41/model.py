@@ -269,7 +269,8 @@ class V41Model(nn.Module):
             keep = min(c.length, self.tail_rows)
             rows.append(torch.arange(c.begin + c.length - keep, c.begin + c.length))
             handoff = {k: t[c.length - keep:] for k, t in c.handoff.items()}  # per-row selections
-            out.append(Chunk(c.seq, c.end - keep, begin, keep, handoff, c.trace))
+            floor = c.end - keep if keep < c.length else c.window_floor  # rows below: not computed here
+            out.append(Chunk(c.seq, c.end - keep, begin, keep, handoff, c.trace, floor))
             begin += keep
         return torch.cat(rows).to(self.device), out
 

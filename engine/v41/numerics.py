@@ -202,8 +202,10 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink:
 def _sparse_attention_rows(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
                            scale: float) -> torch.Tensor:
     t, h, d = q.shape
-    keys = kv[idx.clamp_min(0)].float()  # [T, K, D]
     valid = idx >= 0
+    # [T, K, D]; a masked slot's row is zeroed: its probability is 0, but 0 × a NaN of whatever
+    # bytes that slot's row holds (a recycled block) is NaN.
+    keys = kv[idx.clamp_min(0)].float().masked_fill_(~valid[..., None], 0.0)
     row_max = torch.full((t, h), -math.inf, device=q.device)
     denom = torch.zeros(t, h, device=q.device)
     acc = torch.zeros(t, h, d, device=q.device)

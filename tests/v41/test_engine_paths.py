@@ -129,3 +129,29 @@ def test_decoder_tail_keeps_the_global_kv(model, prompts):
     exact, approx = written.values()
     for s in exact:
         assert torch.equal(exact[s][0], approx[s][0]) and torch.equal(exact[s][1], approx[s][1])
+
+
+def test_decoder_tail_never_reads_window_rows_it_did_not_compute(model, prompts):
+    """--decoder-tail approx: the tail layers' queries attend no window row below the kept rows
+    (those were not computed in this forward): a pool of recycled bytes (NaN here) gives what a
+    zeroed pool gives. Before, a reused pool's stale rows turned the logits non-finite."""
+    p = prompts[0]
+    assert len(p) > model.cfg.sliding_window  # the tail is cut
+    outs = []
+    model.tail_rows = model.cfg.sliding_window
+    try:
+        for garbage in (False, True):
+            cache = V41KVCache.for_model(model, "auto", 1, 256, num_full_blocks=16, block_size=16)
+            for pool in cache.pools.values():
+                for t in pool.tensors.values():
+                    if garbage:
+                        t.fill_(float("nan")) if t.is_floating_point() else t.fill_(255)
+                    else:
+                        t.zero_()
+            seq = cache.new_sequence()
+            cache.allocate(seq, 0, len(p))
+            outs.append(model(torch.tensor(p), [Chunk(seq, 0, 0, len(p))]).x)
+    finally:
+        model.tail_rows = None
+    assert torch.isfinite(outs[1]).all()
+    assert torch.equal(outs[0], outs[1])
