@@ -21,8 +21,10 @@ the request is computed on. Three ways to get it:
   * bounded replay (`--prefix-replay bounded`, vLLM's approximation): recompute the last W_b
     tokens before H (W_b = the window rounded up to every compress ratio: 128 for V4/V4.1), not
     exact. Keeps no snapshots.
-While a request recomputes positions below H their global records are not written: those blocks
-are shared and final (`BlockTable.frozen_tokens`). Hits are full blocks only, and the last
+Per-sequence state that is a function of the tokens alone (V4.1's Engram compressed-id history)
+is rebuilt by the cache from the token ids below S (`rebuild_history`), for restores and replays
+alike. While a request recomputes positions below H their global records are not written: those
+blocks are shared and final (`BlockTable.frozen_tokens`). Hits are full blocks only, and the last
 known token is always computed, so the sampled token has logits.
 
 Prefill/decode hand-off (`resume`): the decode side puts blocks holding the global records of
