@@ -51,22 +51,22 @@ class Engine:
             from .v41.kv_cache import V41KVCache as cache_cls
         else:
             cache_cls = KVCache
-        self.config = config = _without_unsupported_prefix_caching(config, v41)
-        sizing = {}
-        if not v41:
-            sizing["snapshot_slots"] = snapshot_slots(config.enable_prefix_caching, config.prefix_replay,
-                                                      config.prefix_snapshots, config.max_num_seqs)
+        self.config = config = _without_unsupported_prefix_caching(config)
+        slots = snapshot_slots(config.enable_prefix_caching, config.prefix_replay, config.prefix_snapshots,
+                               config.max_num_seqs)
         self.cache = cache_cls.for_model(model, config.kv_dtype, config.max_num_seqs, config.max_num_batched_tokens,
                                          num_full_blocks=config.num_kv_blocks,
                                          memory_bytes=config.kv_cache_memory_bytes, block_size=config.block_size,
-                                         **sizing)
+                                         snapshot_slots=slots)
         k = config.speculative_tokens
         if k > self.cache.manager.slack:
             raise ValueError(f"--speculative-tokens {k} exceeds the KV slack of {self.cache.manager.slack} positions")
         max_len = _fit_context_to_pool(max_len, self.cache.manager, k)
         sched_cfg = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_len, k)
         # ---- prefix caching (engine/prefix_cache.py) ----
-        self.prefix_cache = (PrefixCache.for_engine(self.cache, model.cfg, config.kv_dtype, config.prefix_replay, k > 0)
+        # V4.1's DSpark windows read no look-ahead token (see PrefixCache.for_engine)
+        self.prefix_cache = (PrefixCache.for_engine(self.cache, model.cfg, config.kv_dtype, config.prefix_replay,
+                                                    k > 0 and not v41)
                              if config.enable_prefix_caching else None)
         self.scheduler = Scheduler(sched_cfg, self.cache, model.cfg.eos_token_ids, self.prefix_cache)
         self.static = None
@@ -201,16 +201,13 @@ def default_dtype(config: EngineConfig, device: str) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp32": torch.float32}[config.dtype]
 
 
-def _without_unsupported_prefix_caching(config: EngineConfig, v41: bool) -> EngineConfig:
-    """Prefix caching covers V4 engines that own their requests' KV. Not yet: DeepSeek-V4.1 (its
-    own cache, engine/v41/) and PD roles (a decode's blocks arrive over NIXL outside admission, a
-    prefill's stay under a lease after the request) — there it is turned off, said once."""
-    if not config.enable_prefix_caching:
+def _without_unsupported_prefix_caching(config: EngineConfig) -> EngineConfig:
+    """Prefix caching covers V4 and V4.1 engines that own their requests' KV. Not yet: PD roles
+    (a decode's blocks arrive over NIXL outside admission, a prefill's stay under a lease after
+    the request) — there it is turned off, said once."""
+    if not config.enable_prefix_caching or config.kv_transfer is None:
         return config
-    why = ("DeepSeek-V4.1" if v41 else
-           f"--kv-role {config.kv_transfer.role}" if config.kv_transfer is not None else None)
-    if why is None:
-        return config
+    why = f"--kv-role {config.kv_transfer.role}"
     logger.info("prefix caching is off: not supported with %s yet", why)
     return dataclasses.replace(config, enable_prefix_caching=False)
 

@@ -3,7 +3,8 @@ resume there exactly instead of recomputing the window.
 
 What computing from a block boundary H reads of the sliding pools (block sizes are multiples of
 every compress ratio, so H is a compress boundary too):
-  * a window pool (`swa`): the `window − 1` rows before H, every layer (MTP layers included);
+  * a window pool (`swa`): the `window − 1` rows before H, every layer (MTP layers, or V4.1's
+    DSpark stage windows, included);
   * a compressor-state pool (`state_*`, rows [C | Z + ape]): the overlapping compressor's next
     entry pools the `span − m` rows before H (the previous window's Ca half, m for CSA); a plain
     compressor's (HCA, span = m) reads none.

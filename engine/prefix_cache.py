@@ -21,8 +21,10 @@ the request is computed on. Three ways to get it:
   * bounded replay (`--prefix-replay bounded`, vLLM's approximation): recompute the last W_b
     tokens before H (W_b = the window rounded up to every compress ratio: 128 for V4/V4.1), not
     exact. Keeps no snapshots.
-While a request recomputes positions below H their global records are not written: those blocks
-are shared and final (`BlockTable.frozen_tokens`). Hits are full blocks only, and the last
+Per-sequence state that is a function of the tokens alone (V4.1's Engram compressed-id history)
+is rebuilt by the cache from the token ids below S (`rebuild_history`), for restores and replays
+alike. While a request recomputes positions below H their global records are not written: those
+blocks are shared and final (`BlockTable.frozen_tokens`). Hits are full blocks only, and the last
 known token is always computed, so the sampled token has logits.
 
 Prefill/decode hand-off (`resume`): the decode side puts blocks holding the global records of
@@ -114,7 +116,11 @@ class PrefixCache:
 
     @classmethod
     def for_engine(cls, cache, model_cfg, kv_dtype: str, mode: str, speculative: bool) -> "PrefixCache":
-        return cls(cache, mode, model_salt(model_cfg, kv_dtype, cache.layout.block_size), speculative)
+        """`speculative`: drafts read window rows computed with the token after them (V4's MTP).
+        V4.1's DSpark windows hold main positions' rows only (no look-ahead token), so a
+        snapshot serves any next token: pass False there."""
+        formats = _pool_formats(cache.layout) if getattr(model_cfg, "arch", None) == "v41" else None
+        return cls(cache, mode, model_salt(model_cfg, kv_dtype, cache.layout.block_size, formats), speculative)
 
     # ---- lookup ----------------------------------------------------------------------------
     def salt(self, cache_salt: str | None) -> bytes:
@@ -184,6 +190,7 @@ class PrefixCache:
         if hit is None:
             return
         self._rebuild(req.seq, hit.start, hit.slot)
+        self._rebuild_history(req.seq, req.token_ids, hit.start)
         pre.trusted_from = hit.start if hit.slot is not None else hit.cached_tokens
         self.stats.replayed_tokens += hit.cached_tokens - hit.start
         if hit.slot is not None:
@@ -200,6 +207,13 @@ class PrefixCache:
             self._by_key.move_to_end(self._slots[slot].key)
         else:
             self.cache.zero_sliding(seq, seq.table.sliding_first * self.block_size, start)
+
+    def _rebuild_history(self, seq, token_ids: list[int], start: int) -> None:
+        """Per-sequence state that is a function of the tokens alone (V4.1's Engram history):
+        the cache rebuilds what computing from `start` reads of it."""
+        rebuild = getattr(self.cache, "rebuild_history", None)
+        if rebuild is not None:
+            rebuild(seq, token_ids, start)
 
     # ---- progress --------------------------------------------------------------------------
     def on_computed(self, req) -> None:
@@ -316,12 +330,14 @@ class PrefixCache:
         readable), to send with the global blocks of [0, end)."""
         return export_state(self.cache, seq, end)
 
-    def resume(self, seq, cached_tokens: int, state: SlidingState | None = None) -> int | None:
+    def resume(self, seq, cached_tokens: int, state: SlidingState | None = None,
+               token_ids: list[int] | None = None) -> int | None:
         """Decode side: `seq.table.full` holds blocks with the global records of [0,
         cached_tokens) (a multiple of the block size) and nothing else is set up. Allocates the
         sliding blocks, imports `state` (taken at cached_tokens) or prepares a replay, and
         returns the first position to compute (None: no sliding blocks free; nothing changed).
-        The records below cached_tokens are not rewritten by the replay."""
+        The records below cached_tokens are not rewritten by the replay. `token_ids` (the
+        sequence's known tokens) rebuild per-sequence token state (V4.1's Engram history)."""
         b, table = self.block_size, seq.table
         if cached_tokens % b or len(table.full) * b < cached_tokens or table.sliding:
             raise ValueError(f"resume needs a table of full blocks covering {cached_tokens} tokens (a multiple of "
@@ -336,14 +352,25 @@ class PrefixCache:
             import_state(self.cache, seq, state)
         else:
             self.cache.zero_sliding(seq, table.sliding_first * b, start)
+        if token_ids is not None:
+            self._rebuild_history(seq, token_ids, start)
         return start
 
 
-def model_salt(model_cfg, kv_dtype: str, block_size: int) -> bytes:
-    """What makes cached records differ besides tokens: the model, the KV format, the block size."""
-    doc = json.dumps({"model": asdict(model_cfg), "kv_dtype": kv_dtype, "block_size": block_size},
-                     sort_keys=True, default=str)
+def model_salt(model_cfg, kv_dtype: str, block_size: int, pool_formats: dict[str, str] | None = None) -> bytes:
+    """What makes cached records differ besides tokens: the model, the KV format, the block size.
+    `pool_formats` (V4.1: every pool's record format, index keys included, which `kv_dtype`
+    alone does not name) go in too; the model config carries the architecture, so V4 and V4.1
+    salts differ even for the same `kv_dtype`."""
+    fields = {"model": asdict(model_cfg), "kv_dtype": kv_dtype, "block_size": block_size}
+    if pool_formats is not None:
+        fields["pool_formats"] = pool_formats
+    doc = json.dumps(fields, sort_keys=True, default=str)
     return hashlib.sha256(doc.encode()).digest()[:16]
+
+
+def _pool_formats(layout) -> dict[str, str]:
+    return {p.name: p.fmt for p in layout.pools}
 
 
 def snapshot_slots(enabled: bool, mode: str, slots: int | None, max_num_seqs: int) -> int:

@@ -11,6 +11,11 @@ position. What V4.1 adds:
   * each sequence carries its Engram compressed-id history (engine/v41/engram.py) and, as
     layers `num_layers + s` of the window pool, each DSpark stage's window.
 Everything is indexed by absolute position, so rollback is recomputation from a lower position.
+
+Prefix caching (engine/prefix_cache.py) needs no V4.1 machinery beyond V4's: the DSpark windows
+are layers of the window pool, so sliding-state snapshots and replays cover them; the records a
+hit adopts are only read (`PagedEntries` drops writes below `frozen_tokens`); and the Engram
+history at the hit is rebuilt from the token ids (`rebuild_history`).
 """
 
 from __future__ import annotations
@@ -82,6 +87,10 @@ class V41Sequence:
             view = self._views[key] = cls(self.cache.pools[pool], writer, self._slots, dtype)
         return view
 
+    def sliding_slots(self, start: int, end: int) -> torch.Tensor:
+        """Flat slot ids of positions [start, end) in the sliding pools ([end − start], long)."""
+        return self._slots.sliding(start, end)
+
     def window(self, layer: int) -> PagedRows:
         """Window rows of a backbone layer, or of DSpark stage s as layer num_layers + s."""
         return self._view("swa", layer, PagedRows, self.cache.dtype)
@@ -103,8 +112,9 @@ class V41KVCache(KVCache):
     """All pools of a V4.1 layout plus the block manager (KVCache's allocation and sizing)."""
 
     def __init__(self, cfg, layout: KVLayout, num_full_blocks: int, num_sliding_blocks: int, dtype: torch.dtype,
-                 device="cpu", slack: int = 8, engram=None):
+                 device="cpu", slack: int = 8, engram=None, snapshot_slots: int = 0):
         from ..block_manager import BlockManager
+        from ..kv_snapshot import SnapshotStore
 
         self.cfg, self.layout, self.dtype, self.device = cfg, layout, dtype, device
         self.num_mtp_layers = max(layout.pool("swa").layers) + 1 - cfg.num_layers
@@ -113,21 +123,30 @@ class V41KVCache(KVCache):
                                          layout.block_size, device) for spec in layout.pools}
         self._layer_pools = {}
         self.slack, self.engram = slack, engram
+        # Sliding-state snapshots at block boundaries (exact prefix-cache hits); None = none kept.
+        self.snapshots = SnapshotStore(self, snapshot_slots) if snapshot_slots else None
 
     @classmethod
     def for_model(cls, model, kv_dtype: str = "auto", max_num_seqs: int = 64, max_tokens_per_step: int = 2048,
                   num_full_blocks: int | None = None, memory_bytes: int | None = None, block_size: int = 256,
-                  slack: int = 8) -> "V41KVCache":
+                  slack: int = 8, snapshot_slots: int = 0) -> "V41KVCache":
+        """As `KVCache.for_model`: with `memory_bytes`, snapshots take at most an eighth of what
+        the sliding blocks leave, the global blocks the rest."""
+        from ..kv_snapshot import snapshot_bytes
+
         layout = build_v41_layout(model.cfg, kv_dtype, block_size, num_stages=len(model.mtp))
         sliding = cls.blocks_for(layout, max_num_seqs, max_tokens_per_step, slack)
         if num_full_blocks is None:
             if memory_bytes is None:
                 raise ValueError("give num_full_blocks or memory_bytes")
             left = memory_bytes - sliding * layout.group_block_bytes("sliding")
+            snapshot_slots = min(snapshot_slots, max(0, left // 8) // max(1, snapshot_bytes(layout)))
+            left -= snapshot_slots * snapshot_bytes(layout)
             num_full_blocks = left // max(1, layout.group_block_bytes("full"))
             if num_full_blocks < 2:
                 raise ValueError(f"KV memory {memory_bytes} bytes is too small for {max_num_seqs} sequences")
-        return cls(model.cfg, layout, num_full_blocks, sliding, model.dtype, model.device, slack, model.hasher)
+        return cls(model.cfg, layout, num_full_blocks, sliding, model.dtype, model.device, slack, model.hasher,
+                   snapshot_slots)
 
     def new_engram_history(self):
         from .engram import EngramHistory
@@ -138,6 +157,18 @@ class V41KVCache(KVCache):
 
     def new_sequence(self) -> V41Sequence:
         return V41Sequence(self)
+
+    def rebuild_history(self, seq: V41Sequence, token_ids: list[int], start: int) -> None:
+        """A prefix-cache hit computes `seq` from `start`: write the Engram history that
+        computing from there looks back on (positions [start − lookback, start)).
+
+        Rebuilt, not snapshotted: the history is the compressed ids of the tokens, a pure
+        function of them, and a hit's tokens below `start` are the cached ones (the hash chain
+        matched), so a few table lookups give it exactly, for snapshots and replays alike."""
+        if seq.engram is None or start <= 0:
+            return
+        lo = max(0, start - self.engram.lookback)
+        seq.engram.write(lo, self.engram.compress(torch.tensor(token_ids[lo:start], dtype=torch.long)))
 
     def layer_pools(self, layer: int):
         raise NotImplementedError("V4.1 has no static-shape decode path")
