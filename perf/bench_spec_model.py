@@ -7,12 +7,17 @@ measured at every depth) and with load-adaptive speculation (the default), whose
 reported as the mean number of drafts it verified per step. Per-position acceptance i is the
 fraction of verify steps whose first i drafts were all accepted. Greedy output must not change.
 
-    python perf/bench_spec_model.py [--model-dir DIR] [--k 1 2 3] [--batch 1 8] [--tokens 128]
+    python perf/bench_spec_model.py [--model-dir DIR] [--k 1 2 3] [--batch 1 8] [--tokens 128] [--repeats 3]
+
+Each configuration runs --repeats times, the configurations of a batch size taking turns (off,
+k=1 fixed, k=1 adaptive, ..., then again), and tok/s is the median of its runs: a shared machine's
+load swings between rows, and interleaving spreads it over all of them alike.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -75,6 +80,7 @@ def main() -> None:
     parser.add_argument("--prompt-file", default=str(_DEFAULT_PROMPT), help="text whose token windows prompt")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3, help="runs per configuration (median tok/s)")
     args = parser.parse_args()
     print(header("bench_spec_model"), flush=True)
     set_cpu_threads(args.threads)
@@ -90,15 +96,18 @@ def main() -> None:
         prompts = [ids[i * p: (i + 1) * p] for i in range(batch)]
         if len(prompts[-1]) < p:
             raise SystemExit(f"--prompt-file holds {len(ids)} tokens, fewer than {batch} prompts of {p}")
-        base = run(model, 0, prompts, args.tokens, adaptive=False)
-        rows = [("off", base)]
-        for k in args.k:
-            for adaptive in (False, True):
+        configs = [("off", 0, False)] + [(f"MTP k={k} {'adaptive' if a else 'fixed'}", k, a)
+                                         for k in args.k for a in (False, True)]
+        runs: dict[str, list[Row]] = {name: [] for name, _, _ in configs}
+        for _ in range(args.repeats):
+            for name, k, adaptive in configs:
                 row = run(model, k, prompts, args.tokens, adaptive)
-                assert row.outputs == base.outputs, "speculation changed greedy output"
-                rows.append((f"MTP k={k} {'adaptive' if adaptive else 'fixed'}", row))
-        for name, r in rows:
-            print(f"{batch:5} {name:20} {r.tok_s:8.2f} {r.tok_s / base.tok_s:6.2f}x {r.accept_len:11.2f} "
+                runs[name].append(row)
+                assert row.outputs == runs["off"][0].outputs, "speculation changed greedy output"
+        base = statistics.median(r.tok_s for r in runs["off"])
+        for name, _, _ in configs:
+            r, tok_s = runs[name][0], statistics.median(x.tok_s for x in runs[name])
+            print(f"{batch:5} {name:20} {tok_s:8.2f} {tok_s / base:6.2f}x {r.accept_len:11.2f} "
                   f"{r.drafts_per_step:12.2f}  {' '.join(f'{x:.2f}' for x in r.per_position)}")
 
 
