@@ -17,6 +17,10 @@ server died before answering. A server that took a leg and then died or stayed s
 --request-timeout is answered with a JSON error that names it (502, or 504 for silence); one
 that dies mid-stream ends the stream with an error event and `data: [DONE]`.
 
+/v1/models, /tokenize and /detokenize are passed to a live decode server (every server behind
+the proxy serves the same weights and tokenizer), so clients that count tokens (`ringserve
+bench`) see the same prompts through the proxy as against one server.
+
 Each response carries `x-pd-prefill-ms` (leg 1's round trip) so that a client can split its
 time to first token into prefill and the rest (transfer + first decode step).
 """
@@ -271,13 +275,18 @@ class Proxy:
             await out.write_eof()
             return out
 
-    async def forward_get(self, request: web.Request) -> web.Response:
-        """GET routes any server answers alike (/v1/models): the first live decode server's answer."""
+    async def forward(self, request: web.Request) -> web.Response:
+        """Routes any server answers alike (/v1/models, /tokenize, /detokenize: same weights and
+        tokenizer behind every URL): the first live decode server's answer, passed through."""
         b = self.decode.pick()
         if b is None:
             return _error(503, f"no decode server is up ({self.decode.down_reason()})", "service_unavailable")
+        data = await request.read() if request.method == "POST" else None
+        headers = self.headers(request)
+        if data is not None:
+            headers["Content-Type"] = request.headers.get("Content-Type", "application/json")
         try:
-            async with self.session.get(b.url + request.path, headers=self.headers(request)) as r:
+            async with self.session.request(request.method, b.url + request.path, data=data, headers=headers) as r:
                 return web.Response(body=await r.read(), status=r.status,
                                     content_type=r.headers.get("Content-Type", "application/json").split(";")[0])
         except _CANNOT_CONNECT as exc:
@@ -339,7 +348,8 @@ def make_proxy_app(proxy: Proxy, max_body_bytes: int = 4 << 20) -> web.Applicati
     app = web.Application(middlewares=[auth], client_max_size=max_body_bytes)
     app[PROXY] = proxy
     app.add_routes([web.post("/v1/completions", generate), web.post("/v1/chat/completions", generate),
-                    web.get("/v1/models", proxy.forward_get), web.get("/health", health), web.get("/ready", ready)])
+                    web.get("/v1/models", proxy.forward), web.post("/tokenize", proxy.forward),
+                    web.post("/detokenize", proxy.forward), web.get("/health", health), web.get("/ready", ready)])
     return app
 
 
