@@ -5,8 +5,9 @@ tests/e2e/test_pd.py.)
 
 For each, the client gets a clear answer within a bound, and afterwards the survivors are idle
 (no request running or waiting, no lease, load, held block or pending READ, no KV block used),
-a dead server left no process behind, and a fresh request through the proxy gives the same
-greedy output as before the fault.
+a dead server left no process behind (its rings in /dev/shm are orphans the next `serve`
+removes: a SIGKILLed owner cannot unlink them), and a fresh request through the proxy gives
+the same greedy output as before the fault.
 
 Cast (booted together): prefills P1 (stalled, then killed) and P2; decodes D1 (READ timeout
 10 s; killed last) and D2 (READ timeout 1.5 s). The proxy lists P1, P2 and D1, D2: with no load
@@ -36,8 +37,10 @@ GREEDY = {"model": "tiny", "prompt": PROMPT, "max_tokens": 6, "temperature": 0, 
 
 @pytest.fixture(scope="module")
 def cast(model_dir):
-    """{"proxy", "only_d1", "p1", "p2", "d1", "d2", "want"}: want = the greedy text of GREEDY, from D2 alone
-    (a decode-role server also serves plain requests; test_pd shows the proxy's equals it)."""
+    """{"proxy", "only_d1", "p1", "p2", "d1", "d2", "want"}. want: the greedy text of GREEDY from
+    D2 alone (a decode-role server serves plain requests too; test_pd shows the proxy's equals
+    a colocated server's). only_d1: a second proxy with D1 as its only decode, to put a request
+    on D1 beside a stream there (the first proxy would send it to the idle D2)."""
     os.environ.update(UCX_ENV)
     procs: list = []
     try:
@@ -51,7 +54,7 @@ def cast(model_dir):
         procs += [d1, d2]
         proxy = Proxy(model_dir.parent, [p1.url, p2.url], [d1.url, d2.url])
         procs.append(proxy)
-        only_d1 = Proxy(model_dir.parent, [p2.url], [d1.url])  # pins a request on D1 beside a stream
+        only_d1 = Proxy(model_dir.parent, [p2.url], [d1.url])
         procs.append(only_d1)
         for p in procs:
             p.wait_ready()
@@ -115,6 +118,17 @@ def _wait_read_posted(dec: Server, timeout: float = 10.0) -> None:
     _settles(dec, timeout=timeout, pending_transfers=1)
 
 
+def test_the_proxy_answers_tokenize_and_detokenize_like_a_server(cast):
+    """Token-counting clients (ringserve bench) calibrate through these: the proxy must pass them
+    on (it answered 404, and the bench then guessed its prompts twice too long)."""
+    proxy, d2 = cast["proxy"], cast["d2"]
+    ask = {"model": "tiny", "prompt": "Tell me about the sliding window."}
+    status, through = _post(proxy.url + "/tokenize", ask)
+    assert status == 200 and through == _post(d2.url + "/tokenize", ask)[1], through
+    status, text = _post(proxy.url + "/detokenize", {"model": "tiny", "tokens": through["tokens"]})
+    assert status == 200 and text == _post(d2.url + "/detokenize", {"model": "tiny", "tokens": through["tokens"]})[1]
+
+
 def test_a_prefill_stalled_during_the_read_times_it_out_and_the_pair_recovers(cast):
     """P1's worker stops with D2's READ posted: D2 answers 503 once its 1.5 s READ timeout
     fires and frees its blocks at once; P1, resumed, lets the unread lease expire; D2 then
@@ -151,8 +165,9 @@ def test_a_prefill_killed_during_the_read_fails_it_fast_and_the_proxy_moves_on(c
     assert status == 200, body
     failed = _kv(d1)["failed"]
     params = _leg1(p1, PROMPT)
-    dead = [p1.proc.pid, *workers(p1.proc.pid)]
-    stop_process(dead[1])
+    worker = workers(p1.proc.pid)[0]
+    dead = [p1.proc.pid, worker]
+    stop_process(worker)
     try:
         with _Background(lambda: _post(d1.url + "/v1/completions", dict(GREEDY, kv_transfer_params=params))) as leg2, \
                 _Background(lambda: _post(proxy.url + "/v1/completions", GREEDY)) as through:
