@@ -4,15 +4,17 @@ Starts (on loopback, NIXL over UCX tcp) a `--kv-role prefill` server, a `--kv-ro
 server and `ringserve proxy` in front of them, plus a plain colocated `ringserve serve` of the
 same model, then runs the project's own benchmark client (`ringserve bench serve`, fixed
 workload, streamed completions) against the proxy and the colocated server at each
-concurrency, alternating the two so both see the same machine load. Prints TTFT p50, TPOT p50
-and output tok/s for each, and PD / colocated ratios of the same run.
+concurrency, alternating the two so both see the same machine load (`--repeats N`: N
+alternations; each figure is then the median of its N runs, with the spread min–max, since on a
+shared machine one run of the same setup can differ from the next by 2–3×). Prints TTFT p50,
+TPOT p50 and output tok/s for each, and PD / colocated ratios of the same run.
 
 The PD pair uses two processes (two workers) where the colocated server uses one: on a machine
 with fewer free cores than workers the pair competes with itself, so read the ratio together
 with the header's core count.
 
 Run: ``python perf/bench_pd_serving.py [MODEL_DIR] [--concurrency 1 4 16] [--num-prompts 16]
-[--input-len 128] [--output-len 32] [--json OUT]`` (a tiny model is made without MODEL_DIR).
+[--input-len 128] [--output-len 32] [--repeats 1] [--json OUT]`` (a tiny model is made without MODEL_DIR).
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -29,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from perf.bench_pd import ENV, Proc  # noqa: E402  (server processes on loopback, UCX env)
 
 _SETUPS = ("colocated", "pd")
+_FIGURES = ("ttft_p50_ms", "tpot_p50_ms", "output_tok_s")
 
 
 def cpu_model() -> str:
@@ -75,19 +79,29 @@ def start(model_dir: Path, max_seqs: int, tmp: Path) -> dict[str, Proc]:
     return procs
 
 
+def combine(runs: list[dict]) -> dict:
+    """Repeats of one (setup, concurrency): the median of each figure, and its min and max."""
+    out = dict(runs[0], repeats=len(runs))
+    for k in _FIGURES:
+        values = [r[k] for r in runs]
+        out[k], out[k + "_range"] = statistics.median(values), (min(values), max(values))
+    return out
+
+
 def print_table(rows: list[dict]) -> None:
     print(f"{'conc':>4} {'setup':>9} {'TTFT p50 ms':>12} {'TPOT p50 ms':>12} {'out tok/s':>10}   "
-          f"{'PD/colo TTFT':>12} {'TPOT':>6} {'tok/s':>6}")
+          f"{'PD/colo TTFT':>12} {'TPOT':>6} {'tok/s':>6}   spread over repeats (min-max)")
     by = {(r["concurrency"], r["setup"]): r for r in rows}
     for c in sorted({r["concurrency"] for r in rows}):
         col, pd = by[(c, "colocated")], by[(c, "pd")]
         for r in (col, pd):
-            ratio = ""
+            ratio = " " * 28
             if r is pd:
-                ratio = (f"{pd['ttft_p50_ms'] / col['ttft_p50_ms']:>12.2f} {pd['tpot_p50_ms'] / col['tpot_p50_ms']:>6.2f}"
-                         f" {pd['output_tok_s'] / col['output_tok_s']:>6.2f}")
+                ratio = " ".join(f"{pd[k] / col[k]:>{w}.2f}" for k, w in zip(_FIGURES, (12, 6, 6)))
+            spread = "  ".join(f"{lo:.0f}-{hi:.0f}" if k != "output_tok_s" else f"{lo:.1f}-{hi:.1f}"
+                               for k in _FIGURES for lo, hi in [r[k + "_range"]])
             print(f"{c:>4} {r['setup']:>9} {r['ttft_p50_ms']:>12.1f} {r['tpot_p50_ms']:>12.1f} "
-                  f"{r['output_tok_s']:>10.1f}   {ratio}")
+                  f"{r['output_tok_s']:>10.1f}   {ratio}   {spread}")
 
 
 def main() -> None:
@@ -97,6 +111,7 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=1, help="alternations of the two setups per concurrency")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-pd-serving-"))
@@ -106,21 +121,25 @@ def main() -> None:
                         "--seed", "3"], check=True, capture_output=True)
     print(f"# bench_pd_serving — {cpu_model()}, {len(os.sched_getaffinity(0))} usable cores; model {model_dir.name}; "
           f"fixed workload, input {args.input_len} / output {args.output_len} tokens, ≥ {args.num_prompts} "
-          f"requests per run; NIXL over UCX {ENV['UCX_TLS']} on {ENV['UCX_NET_DEVICES']}", flush=True)
+          f"requests per run, {args.repeats} run(s) per setup; load average {os.getloadavg()[0]:.1f}; "
+          f"NIXL over UCX {ENV['UCX_TLS']} on {ENV['UCX_NET_DEVICES']}", flush=True)
     procs = start(model_dir, max(4, max(args.concurrency)), tmp)
-    rows = []
+    runs, rows = [], []
     try:
         for c in args.concurrency:
-            for setup in _SETUPS:
-                url = procs["proxy" if setup == "pd" else "colocated"].url
-                rows.append(bench(url, setup, c, args, tmp / f"{setup}-c{c}.json"))
-                print(json.dumps(rows[-1]), flush=True)
+            for i in range(args.repeats):
+                for setup in _SETUPS:
+                    url = procs["proxy" if setup == "pd" else "colocated"].url
+                    runs.append(dict(bench(url, setup, c, args, tmp / f"{setup}-c{c}-{i}.json"), repeat=i))
+                    print(json.dumps(runs[-1]), flush=True)
+            rows += [combine([r for r in runs if r["concurrency"] == c and r["setup"] == s]) for s in _SETUPS]
     finally:
         for p in reversed(list(procs.values())):
             p.stop()
     print_table(rows)
     if args.json:
-        Path(args.json).write_text(json.dumps({"cpu": cpu_model(), "args": vars(args), "runs": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"cpu": cpu_model(), "args": vars(args), "runs": runs,
+                                               "summary": rows}, indent=1))
 
 
 if __name__ == "__main__":
