@@ -12,7 +12,14 @@ load (what this proxy has in flight there: prompt tokens for a prefill, prompt +
 output tokens for a decode). A server that refuses connections, or fails its /health poll, is
 out of rotation until a poll succeeds; with no prefill or no decode server up the proxy
 answers 503 and says which. A decode leg that cannot connect is retried on another decode
-server (the params are not bound to one).
+server (the params are not bound to one); so is a prefill leg that cannot connect, or whose
+server died before answering. A server that took a leg and then died or stayed silent past
+--request-timeout is answered with a JSON error that names it (502, or 504 for silence); one
+that dies mid-stream ends the stream with an error event and `data: [DONE]`.
+
+/v1/models, /tokenize and /detokenize are passed to a live decode server (every server behind
+the proxy serves the same weights and tokenizer), so clients that count tokens (`ringserve
+bench`) see the same prompts through the proxy as against one server.
 
 Each response carries `x-pd-prefill-ms` (leg 1's round trip) so that a client can split its
 time to first token into prefill and the rest (transfer + first decode step).
@@ -85,6 +92,21 @@ def estimate_prompt_tokens(body: dict) -> int:
 # ---- the proxy ---------------------------------------------------------------------------------
 class Unavailable(Exception):
     pass
+
+
+# A server that could not be reached at all: it saw nothing of the request, so another may take it.
+_CANNOT_CONNECT = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
+
+
+def _broke_off(role: str, b: "Backend", exc: BaseException, timeout_s: float) -> web.Response:
+    """The answer when a server took the request and then failed to answer it: it closed the
+    connection (it died) → 502, or stayed silent past --request-timeout → 504. Always a JSON
+    error body that names the server and the cause."""
+    if isinstance(exc, asyncio.TimeoutError):
+        return _error(504, f"{role} server {b.url} sent nothing for {timeout_s:g} s", "server_error",
+                      code=f"{role}_timeout")
+    return _error(502, f"{role} server {b.url} stopped before answering: {type(exc).__name__}", "server_error",
+                  code=f"{role}_failed")
 
 
 class Proxy:
@@ -192,9 +214,18 @@ class Proxy:
                     if r.status != 200:
                         return web.Response(body=data, status=r.status, content_type="application/json")
                     first = json.loads(data)
-            except aiohttp.ClientConnectorError as exc:
+            except _CANNOT_CONNECT as exc:
                 self._mark_down(b, exc)
                 continue
+            except aiohttp.ClientError as exc:  # it took the request, then closed or went silent
+                if isinstance(exc, asyncio.TimeoutError) or self.prefill.pick(tried) is None:
+                    return _broke_off("prefill", b, exc, self.request_timeout_s)
+                # it died computing the prompt (its lease, if any, dies with it): another one may
+                logger.warning("prefill %s failed mid-request (%s); trying another", b.url, type(exc).__name__)
+                continue
+            except ValueError:
+                return _error(502, f"prefill server {b.url} answered with invalid JSON", "server_error",
+                              code="bad_prefill")
             finally:
                 b.owed.pop(rid, None)
             if not isinstance(first, dict) or not isinstance(first.get("kv_transfer_params"), dict):
@@ -212,15 +243,19 @@ class Proxy:
             b.owed[rid] = expected
             try:
                 return await self._relay(b, request, leg2, headers, prefill_ms)
-            except aiohttp.ClientConnectorError as exc:
+            except _CANNOT_CONNECT as exc:
                 self._mark_down(b, exc)
+            except aiohttp.ClientError as exc:  # before any byte of its answer reached the client
+                return _broke_off("decode", b, exc, self.request_timeout_s)
             finally:
                 b.owed.pop(rid, None)
         raise Unavailable(f"no decode server is up ({self.decode.down_reason()})")
 
     async def _relay(self, b: Backend, request: web.Request, leg2: dict, headers: dict,
                      prefill_ms: float) -> web.StreamResponse:
-        """Send leg 2 and pass its answer through (SSE chunk by chunk as it arrives)."""
+        """Send leg 2 and pass its answer through (SSE chunk by chunk as it arrives). A failure
+        before the answer started raises (the caller answers with a JSON error); one mid-stream
+        ends the stream with an error event and [DONE]."""
         extra = {"x-pd-prefill-ms": f"{prefill_ms:.2f}", "x-pd-decode-server": b.url}
         async with self.session.post(b.url + request.path, json=leg2, headers=headers) as r:
             kind = r.headers.get("Content-Type", "application/json")
@@ -240,18 +275,25 @@ class Proxy:
             await out.write_eof()
             return out
 
-    async def forward_get(self, request: web.Request) -> web.Response:
-        """GET routes any server answers alike (/v1/models): the first live decode server's answer."""
+    async def forward(self, request: web.Request) -> web.Response:
+        """Routes any server answers alike (/v1/models, /tokenize, /detokenize: same weights and
+        tokenizer behind every URL): the first live decode server's answer, passed through."""
         b = self.decode.pick()
         if b is None:
             return _error(503, f"no decode server is up ({self.decode.down_reason()})", "service_unavailable")
+        data = await request.read() if request.method == "POST" else None
+        headers = self.headers(request)
+        if data is not None:
+            headers["Content-Type"] = request.headers.get("Content-Type", "application/json")
         try:
-            async with self.session.get(b.url + request.path, headers=self.headers(request)) as r:
+            async with self.session.request(request.method, b.url + request.path, data=data, headers=headers) as r:
                 return web.Response(body=await r.read(), status=r.status,
                                     content_type=r.headers.get("Content-Type", "application/json").split(";")[0])
-        except aiohttp.ClientConnectorError as exc:
+        except _CANNOT_CONNECT as exc:
             self._mark_down(b, exc)
             return _error(503, f"decode server {b.url} is down", "service_unavailable")
+        except aiohttp.ClientError as exc:
+            return _broke_off("decode", b, exc, self.request_timeout_s)
 
 
 # ---- the app -----------------------------------------------------------------------------------
@@ -306,7 +348,8 @@ def make_proxy_app(proxy: Proxy, max_body_bytes: int = 4 << 20) -> web.Applicati
     app = web.Application(middlewares=[auth], client_max_size=max_body_bytes)
     app[PROXY] = proxy
     app.add_routes([web.post("/v1/completions", generate), web.post("/v1/chat/completions", generate),
-                    web.get("/v1/models", proxy.forward_get), web.get("/health", health), web.get("/ready", ready)])
+                    web.get("/v1/models", proxy.forward), web.post("/tokenize", proxy.forward),
+                    web.post("/detokenize", proxy.forward), web.get("/health", health), web.get("/ready", ready)])
     return app
 
 
