@@ -16,7 +16,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import platform
 import socket
 import statistics
 import sys
@@ -30,17 +29,7 @@ import torch  # noqa: E402
 
 from engine.kv_transfer import digest  # noqa: E402
 from engine.kv_transfer.nixl_transport import KVTransport, unique_name  # noqa: E402
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+from perf.machine import cpu_model  # noqa: E402
 
 
 def _region(num_blocks: int, tensors: int, block_bytes: int, fill: int) -> list[torch.Tensor]:

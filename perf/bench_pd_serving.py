@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -30,20 +29,10 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from perf.bench_pd import ENV, Proc  # noqa: E402  (server processes on loopback, UCX env)
+from perf.machine import cpu_model  # noqa: E402
 
 _SETUPS = ("colocated", "pd")
 _FIGURES = ("ttft_p50_ms", "tpot_p50_ms", "output_tok_s")
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def bench(url: str, label: str, c: int, args: argparse.Namespace, out: Path) -> dict:
