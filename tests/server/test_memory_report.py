@@ -211,7 +211,13 @@ def test_v41_rank_equals_what_loading_its_share_allocates(v41_tiny, ranks, ep, r
     # by hand: w13 [2·inter, dim] + w2 [dim, inter] per expert slot; each DSpark stage whole
     d, inter = cfg.hidden_size, cfg.moe_intermediate_size
     assert report["weights"]["routed experts"]["params"] == cfg.num_layers * local * 3 * d * inter
-    assert stages * cfg.v41.dspark_n_routed_experts * 3 * d * inter < report["weights"]["MTP"]["params"]
+    whole = memory_report(str(bare), 1, gpu_memory_gib=0.05, reserve_gib=0.0, kv_dtype="bf16", context=256,
+                          block_size=16)
+    assert report["weights"]["MTP"] == whole["weights"]["MTP"]  # the DSpark stages are never split
+    no_stages = memory_report(str(bare), ranks, ep, redundant, gpu_memory_gib=0.05, reserve_gib=0.0,
+                              kv_dtype="bf16", context=256, block_size=16, mtp=False)
+    held = _loaded_by_kind(load_v41(ckpt, load_mtp=False, experts=experts))
+    assert {k: r["bytes"] for k, r in no_stages["weights"].items()} == {k: b for k, (b, _) in held.items()} | {"MTP": 0}
     assert report["parameters_on_rank"] == sum(n for _, n in dense.values())
 
 

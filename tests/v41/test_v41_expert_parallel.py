@@ -5,10 +5,10 @@ EP over 2 ranks with DSpark on gives DeepSeek's greedy tokens for every golden p
 and on a `make-model --arch v41 --preset tiny --quantize fp8-fp4` checkpoint (with redundant
 experts) the same tokens as one rank, requests arriving at random moments, over 2 and over 4
 ranks. Each rank holds its share of the backbone's routed experts (2 and 4 ranks) and every
-DSpark stage whole. In-process: the row
-packing carries the routing weight bit for bit, and the combine's sum follows the one-rank
-MoE's ascending-expert order, and one MoE layer through every all-to-all backend (a one-rank
-gloo group, redundant replicas) equals the whole layer bit for bit.
+DSpark stage whole. In-process: the row packing carries the routing weight bit for bit, and
+the combine's sum follows the one-rank MoE's ascending-expert order, and one MoE layer through
+every all-to-all backend (a one-rank gloo group, redundant replicas) equals the whole layer bit
+for bit.
 """
 
 from __future__ import annotations
