@@ -16,8 +16,9 @@ the request is computed on. Three ways to get it:
   * exact replay (exact mode, no snapshot at the hit): recompute [S, H) with S = H − R rounded
     down to a block, R the receptive field of the window stack: a window row of layer l at p
     depends on layer l−1 at [p − W + 1, p], so with n sequential window layers R = (n − 1)·(W − 1)
-    + the rows the last layer reads before H. Rows before S read as zeros; the error they cause
-    spreads W − 1 positions per layer and stops short of H.
+    + the rows the last layer reads before H (V4.1's DSpark stages are not in the sequence: each
+    reads only backbone states at its own positions, `_chained_window_layers`). Rows before S
+    read as zeros; the error they cause spreads W − 1 positions per layer and stops short of H.
   * bounded replay (`--prefix-replay bounded`, vLLM's approximation): recompute the last W_b
     tokens before H (W_b = the window rounded up to every compress ratio: 128 for V4/V4.1), not
     exact. Keeps no snapshots.
@@ -101,8 +102,7 @@ class PrefixCache:
         self.lookback = max(rows.values(), default=0)
         windows = [p for p in layout.pools if p.group == "sliding" and not p.name.startswith("state_")]
         window_rows = max((rows[p.name] for p in windows), default=0)
-        depth = len(set().union(*(p.layers for p in windows))) if windows else 0
-        self.receptive_field = max(0, depth - 1) * window_rows + self.lookback
+        self.receptive_field = max(0, _chained_window_layers(cache, windows) - 1) * window_rows + self.lookback
         ratios = [p.tokens_per_record for p in layout.pools if p.group == "full"]
         step = math.lcm(*ratios) if ratios else 1
         self.bounded_tokens = -(-max(self.lookback, 1) // step) * step
@@ -355,6 +355,22 @@ class PrefixCache:
         if token_ids is not None:
             self._rebuild_history(seq, token_ids, start)
         return start
+
+
+def _chained_window_layers(cache, windows) -> int:
+    """How many window layers feed one another in sequence (the n of R = (n − 1)·(W − 1) + …).
+
+    V4's MTP layer reads the backbone's last output at p (itself exact from S + n·(W − 1)), so
+    it chains on as one more layer. V4.1's DSpark stages (window-pool layers num_layers + s)
+    write rows at q from the backbone's attention inputs of its target layers at q alone
+    (engine/v41/dspark.py `observe`), never from another stage: those inputs are exact from
+    S + t·(W − 1) for a target t ≤ n − 1, so a stage's rows before H are exact wherever the
+    backbone's last layer's are, and the stages add no depth."""
+    layers = set().union(*(p.layers for p in windows)) if windows else set()
+    cfg = getattr(cache, "cfg", None)
+    if getattr(cfg, "arch", None) == "v41":
+        layers = {layer for layer in layers if layer < cfg.num_layers}
+    return len(layers)
 
 
 def model_salt(model_cfg, kv_dtype: str, block_size: int, pool_formats: dict[str, str] | None = None) -> bytes:

@@ -8,8 +8,13 @@ by the code that allocates, never by a formula beside it:
     directory, else `quantization_config`; `bf16`: the upcast) and the rank's expert share
     (with expert parallelism (E + R) / N slots per MoE layer, placed by `engine.eplb`;
     without it every rank holds every expert);
-  * the KV pools are allocated on the meta device by `KVCache.for_model`, the engine's own
-    sizing, for the most sequences whose full context still fits.
+  * DeepSeek-V4.1 (a release config.json, `text_config` inside): `engine.v41.weights.build_v41`
+    with the release's dtypes and storage (a checkpoint's headers, else `quantization_config`);
+    expert parallelism splits the backbone's MoE layers only, every rank holding each DSpark
+    stage whole (as the engine places them); the Engram tables count as their own kind;
+  * the KV pools are allocated on the meta device by `KVCache.for_model` (V4.1:
+    `V41KVCache.for_model`), the engine's own sizing, for the most sequences whose full context
+    still fits.
 All ranks hold the same number of bytes (dense weights are replicated, expert slots split
 evenly), so one rank stands for all. Nothing is read but config.json and safetensors headers.
 
@@ -23,8 +28,8 @@ import json
 from pathlib import Path
 
 GIB = 2**30
-KINDS = ("attention", "compressor+indexer", "routed experts", "shared experts", "embed+head", "mHC+norms", "MTP",
-         "other")
+KINDS = ("attention", "compressor+indexer", "routed experts", "shared experts", "embed+head", "mHC+norms", "Engram",
+         "MTP", "other")  # "Engram" (V4.1's hashed n-gram tables and their projections) only where it holds bytes
 # What --reserve-gib stands for: the CUDA context and allocator slack, NCCL / all-to-all
 # buffers, captured CUDA graphs, and the activations of one step (max-num-batched-tokens).
 DEFAULT_RESERVE_GIB = 8.0
@@ -33,7 +38,8 @@ _NORM_LEAVES = frozenset({"attn_norm", "ffn_norm", "norm"})
 
 def add_memory_report_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("memory-report", help="per-rank GPU memory: weights by kind, KV pool left, sequences that fit")
-    p.add_argument("model", help="model directory, config.json path, or a known name (deepseek-v4-flash)")
+    p.add_argument("model", help="model directory, config.json path (V4 or a V4.1 release config), or a known "
+                                  "name (deepseek-v4-flash)")
     p.add_argument("--data-parallel-size", type=int, default=1, help="ranks (one GPU each)")
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="split each MoE layer's routed experts over the ranks (else every rank holds all)")
@@ -62,21 +68,25 @@ def resolve_model(name: str) -> Path:
 
 
 def kind_of(name: str) -> str:
-    """Which row of the report a parameter (internal name) counts in."""
+    """Which row of the report a parameter (internal name; V4.1: the release name) counts in.
+    V4.1's DSpark stages count as "MTP"."""
     parts = name.split(".")
+    leaf = parts[-2] if parts[-1] == "weight" and len(parts) > 1 else parts[-1]  # V4.1: `norm.weight`
     if parts[0] == "mtp":
         return "MTP"
-    if name in ("embed", "head"):
+    if parts[0] in ("embed", "head"):
         return "embed+head"
     if ".ffn.experts." in name:
         return "routed experts"
-    if ".ffn.shared_w" in name:
+    if ".ffn.shared_w" in name or ".ffn.shared_experts." in name:
         return "shared experts"
+    if ".engram." in name:
+        return "Engram"
     if ".attn.compressor." in name or ".attn.indexer." in name:
         return "compressor+indexer"
     if ".attn." in name:
         return "attention"
-    if parts[-1] in _NORM_LEAVES or any(p.startswith("hc_") for p in parts):
+    if leaf in _NORM_LEAVES or any(p.startswith("hc_") for p in parts):
         return "mHC+norms"
     return "other"  # the router: gate, gate bias, tid2eid
 
@@ -104,6 +114,8 @@ def _weights_by_kind(model) -> dict[str, dict[str, int]]:
         row["bytes"] += t.numel() * t.element_size()
         if name not in scales:
             row["params"] += logical.get(name, t.numel())
+    if not out["Engram"]["bytes"]:
+        del out["Engram"]  # V4 has none
     return out
 
 
@@ -128,6 +140,8 @@ def build_rank_model(source: Path, ranks: int, expert_parallel: bool, redundant:
 
     cfg = ModelConfig.from_model_dir(source)
     with_mtp = mtp and cfg.num_nextn_predict_layers > 0
+    if cfg.arch == "v41":
+        return cfg, _build_v41_rank(cfg, source, ranks, expert_parallel, redundant, weight_dtype, with_mtp)
     model = build_model(cfg, with_mtp, dtype=torch.bfloat16)
     experts = None
     if expert_parallel:
@@ -137,10 +151,75 @@ def build_rank_model(source: Path, ranks: int, expert_parallel: bool, redundant:
     return cfg, model
 
 
+def _build_v41_rank(cfg, source: Path, ranks: int, expert_parallel: bool, redundant: int, weight_dtype: str,
+                    with_dspark: bool):
+    """Rank 0's V4.1 model on meta, in the order `load_v41` builds it: the release dtypes of
+    `V41Model` (no cast), the stored formats, then the expert share — of the backbone's MoE
+    layers only: the DSpark stages stay whole on every rank (engine/expert_parallel.py
+    `moe_layer_ids`)."""
+    from engine.v41.weights import build_v41, moe_layers
+
+    model = build_v41(cfg, with_dspark)
+    for path, fmt in _v41_formats(model, cfg, source, weight_dtype).items():
+        model.get_submodule(path).set_format(fmt)
+    if expert_parallel:
+        experts = rank_experts(cfg.num_layers, cfg.n_routed_experts, ranks, redundant)
+        for layer, moe in moe_layers(model):
+            if layer in experts:
+                moe.experts.select(experts[layer])
+    return model
+
+
+def _v41_formats(model, cfg, source: Path, weight_dtype: str) -> dict:
+    """Module path → stored format: a checkpoint's from its headers (as `load_v41` reads them),
+    else what the release's `quantization_config` describes."""
+    from engine.v41.weights import _targets, model_shards
+    from engine.weights import _Checkpoint, stored_formats
+
+    if weight_dtype == "bf16":
+        return {}
+    if source.is_dir() and any(source.glob("*.safetensors")):
+        ckpt = _Checkpoint(model_shards(source))
+        targets = _targets(ckpt, {n for n, _ in model.named_parameters()}, len(model.mtp) > 0)
+        return stored_formats(model, ckpt, targets)
+    return v41_formats_from_config(model, cfg)
+
+
+def v41_formats_from_config(model, cfg) -> dict:
+    """The V4.1 release's storage (engine/v41/checkpoint.py, which writes it): FP8 e4m3 with E8M0
+    `weight_block_size` blocks for the projections it names, FP8 Engram tables with one scale per
+    row per 32, FP4 routed experts (one scale per 32 along K); {} for an unquantized config."""
+    import torch
+
+    from engine.linear import QuantWeight, RoutedExperts, WeightFormat
+    from engine.v41.checkpoint import _fp8_stored
+    from kernels.reference import FP4_GROUP
+
+    q = cfg.quantization or {}
+    if q.get("quant_method") != "fp8":
+        return {}
+    scale_dtype = torch.float8_e8m0fnu if q.get("scale_fmt") == "ue8m0" else torch.float32
+    dense = WeightFormat.fp8(tuple(q.get("weight_block_size", (32, 32))), scale_dtype)
+    experts = WeightFormat.fp4(FP4_GROUP, scale_dtype) if q.get("expert_dtype") == "fp4" else dense
+    plan = {}
+    for path, module in model.named_modules():
+        if isinstance(module, RoutedExperts):
+            plan[f"{path}.w13"] = plan[f"{path}.w2"] = experts
+        elif isinstance(module, QuantWeight) and path.endswith("engram.embed"):
+            plan[path] = WeightFormat.fp8((1, FP4_GROUP), scale_dtype)  # a row's 32-value groups
+        elif isinstance(module, QuantWeight) and _fp8_stored(f"{path}.weight"):
+            plan[path] = dense
+    return plan
+
+
 def fit_sequences(model, kv_dtype: str, context: int, budget: int, block_size: int, max_tokens: int):
     """(sequences, KVCache or None): the most sequences of `context` tokens whose blocks the pools
-    that `KVCache.for_model` allocates (on meta) within `budget` bytes can hold at once."""
+    that `KVCache.for_model` (V4.1: `V41KVCache.for_model`) allocates (on meta) within `budget`
+    bytes can hold at once."""
     from engine.kv_cache import KVCache
+    from engine.v41.kv_cache import V41KVCache
+
+    sizing = V41KVCache if model.cfg.arch == "v41" else KVCache
 
     blocks_per_seq = -(-context // block_size)
 
@@ -148,7 +227,7 @@ def fit_sequences(model, kv_dtype: str, context: int, budget: int, block_size: i
         if budget <= 0:
             return None
         try:
-            cache = KVCache.for_model(model, kv_dtype, max(n, 1), max_tokens, memory_bytes=budget,
+            cache = sizing.for_model(model, kv_dtype, max(n, 1), max_tokens, memory_bytes=budget,
                                       block_size=block_size)
         except ValueError:  # not even the window blocks fit
             return None

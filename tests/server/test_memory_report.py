@@ -1,6 +1,9 @@
 """`ringserve memory-report`: per-rank weight bytes against a hand count of the tiny model,
 KV sequences against the pool arithmetic, the released V4-Flash parameter count (284.33B),
-and the command as a user runs it."""
+and the command as a user runs it. DeepSeek-V4.1: each rank's bytes and parameters by kind
+against what loading the tiny V4.1 checkpoint with that rank's expert share allocates (and
+the routed experts against a hand count), its KV sizing through `V41KVCache`, and the
+released V4.1-Flash config's totals against model-spec (763B, 552B backbone, ~196B Engram)."""
 
 from __future__ import annotations
 
@@ -12,9 +15,13 @@ import sys
 import pytest
 import torch
 
+from pathlib import Path
+
 from engine.checkpoint import preset_config, quantization_config
 from engine.weights import build_model
-from server.memory_report import memory_report
+from server.memory_report import kind_of, memory_report
+
+V41_RELEASE = Path(__file__).resolve().parents[2] / ".." / "shared" / "golden" / "deepseek-v4.1" / "release-config.json"
 
 
 def _fp8(n: int, k: int, block: int = 16) -> int:
@@ -150,3 +157,107 @@ def test_weight_dtype_flag_reaches_the_engine_config():
     assert EngineConfig.from_json(EngineConfig(weight_dtype="bf16").to_json()).weight_dtype == "bf16"
     with pytest.raises(ConfigError, match="--weight-dtype"):
         EngineConfig(weight_dtype="fp8")
+
+
+# ---- DeepSeek-V4.1 ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def v41_tiny(tmp_path_factory):
+    """(checkpoint dir, a dir holding only its config.json): the report reads formats from the
+    checkpoint's headers in one, from `quantization_config` in the other."""
+    from engine.v41.checkpoint import write_v41_checkpoint
+
+    root = tmp_path_factory.mktemp("memreport41")
+    ckpt = write_v41_checkpoint(root / "ckpt", "tiny", seed=3, quantize="fp8-fp4")
+    bare = root / "config-only"
+    bare.mkdir()
+    (bare / "config.json").write_text((ckpt / "config.json").read_text())
+    return ckpt, bare
+
+
+def _loaded_by_kind(model) -> dict[str, tuple[int, int]]:
+    """kind → (bytes, elements) of what a loaded model actually holds."""
+    out: dict[str, list[int]] = {}
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        row = out.setdefault(kind_of(name), [0, 0])
+        row[0] += t.numel() * t.element_size()
+        row[1] += t.numel()
+    return {k: (b, n) for k, (b, n) in out.items()}
+
+
+@pytest.mark.parametrize("ranks, ep, redundant", [(1, False, 0), (2, True, 0), (4, True, 4)])
+def test_v41_rank_equals_what_loading_its_share_allocates(v41_tiny, ranks, ep, redundant):
+    from engine.config import ModelConfig, ParallelConfig
+    from engine.expert_parallel import experts_to_load, initial_placement
+    from engine.v41.weights import load_v41
+
+    ckpt, bare = v41_tiny
+    cfg = ModelConfig.from_model_dir(ckpt)
+    stages = cfg.num_nextn_predict_layers
+    placement = initial_placement(cfg, stages, ParallelConfig(data_parallel_size=ranks, enable_expert_parallel=ep,
+                                                              num_redundant_experts=redundant))
+    local = (cfg.n_routed_experts + redundant) // ranks
+    for source in (bare, ckpt):
+        report = memory_report(str(source), ranks, ep, redundant, gpu_memory_gib=0.05, reserve_gib=0.0,
+                               kv_dtype="bf16", context=256, block_size=16)
+        assert report["routed_experts_per_layer"] == local
+        for rank in range(ranks):  # every rank holds the bytes rank 0 stands for
+            experts = experts_to_load(placement, rank) if ep else None
+            stored = _loaded_by_kind(load_v41(ckpt, experts=experts))
+            assert {k: r["bytes"] for k, r in report["weights"].items()} == {k: b for k, (b, _) in stored.items()}
+            dense = _loaded_by_kind(load_v41(ckpt, experts=experts, weight_dtype="bf16"))  # one element per param
+            assert {k: r["params"] for k, r in report["weights"].items()} == {k: n for k, (_, n) in dense.items()}
+    # by hand: w13 [2·inter, dim] + w2 [dim, inter] per expert slot; each DSpark stage whole
+    d, inter = cfg.hidden_size, cfg.moe_intermediate_size
+    assert report["weights"]["routed experts"]["params"] == cfg.num_layers * local * 3 * d * inter
+    whole = memory_report(str(bare), 1, gpu_memory_gib=0.05, reserve_gib=0.0, kv_dtype="bf16", context=256,
+                          block_size=16)
+    assert report["weights"]["MTP"] == whole["weights"]["MTP"]  # the DSpark stages are never split
+    no_stages = memory_report(str(bare), ranks, ep, redundant, gpu_memory_gib=0.05, reserve_gib=0.0,
+                              kv_dtype="bf16", context=256, block_size=16, mtp=False)
+    held = _loaded_by_kind(load_v41(ckpt, load_mtp=False, experts=experts))
+    assert {k: r["bytes"] for k, r in no_stages["weights"].items()} == {k: b for k, (b, _) in held.items()} | {"MTP": 0}
+    assert report["parameters_on_rank"] == sum(n for _, n in dense.values())
+
+
+def test_v41_sequences_follow_the_v41_pool_sizing(v41_tiny):
+    from engine.v41.kv_cache import V41KVCache
+    from engine.v41.weights import load_v41
+
+    ckpt, _ = v41_tiny
+    context, block = 512, 16
+    report = memory_report(str(ckpt), gpu_memory_gib=0.02, reserve_gib=0.0, kv_dtype="bf16", context=context,
+                           block_size=block, max_num_batched_tokens=64)
+    seqs, budget = report["sequences"], report["kv_budget_bytes"]
+    model = load_v41(ckpt)
+    assert budget == 0.02 * 2**30 // 1 - sum(b for b, _ in _loaded_by_kind(model).values())
+
+    def fits(n: int) -> bool:  # the engine's own pools, allocated for real on the CPU
+        try:
+            cache = V41KVCache.for_model(model, "bf16", n, 64, memory_bytes=budget, block_size=block)
+        except ValueError:
+            return False
+        return cache.manager.full.num_blocks - 1 >= n * (context // block)
+
+    assert seqs > 0 and fits(seqs) and not fits(seqs + 1)
+    assert 0 < report["kv_pool_bytes"] <= budget
+
+
+def test_released_v41_flash_totals_match_model_spec():
+    """model-spec's table: 763B total; 552B backbone; the Engram tables about 196B."""
+    if not V41_RELEASE.exists():
+        pytest.skip(f"V4.1 release config not found at {V41_RELEASE}")
+    from engine.config import ModelConfig
+
+    whole = memory_report(str(V41_RELEASE), 8, gpu_memory_gib=141.0)
+    kinds = {k: r["params"] for k, r in whole["weights"].items()}
+    assert round(whole["parameters_on_rank"] / 1e9) == 763
+    assert round((whole["parameters_on_rank"] - kinds["Engram"] - kinds["MTP"]) / 1e9) == 552
+    v = ModelConfig.from_model_dir(V41_RELEASE).v41
+    tables = sum(v.engram_num_embeddings) * v.engram_head_dim
+    assert 196e9 <= tables < 197e9 and tables < kinds["Engram"] < tables * 1.01  # + each layer's wkv, q/k
+    ep = memory_report(str(V41_RELEASE), 8, True, 32, gpu_memory_gib=141.0)
+    assert ep["routed_experts_per_layer"] == (384 + 32) // 8
+    assert ep["weights"]["MTP"] == whole["weights"]["MTP"]  # DSpark stages whole on every rank
+    assert ep["weight_bytes"] + ep["reserve_bytes"] + ep["kv_budget_bytes"] == ep["gpu_bytes"]

@@ -4,7 +4,8 @@ compress ratios 2 and 1 shared CSA2-style, Engram 3-grams, three DSpark stages; 
 Row-independent numerics make a token's result independent of the chunk or batch it is computed
 in, so a prefix-cached run must give the cold run's (caching off) greedy tokens and chosen-token
 logprobs exactly, whichever way its sliding state (window rows, DSpark windows) was rebuilt:
-restored from a snapshot or replayed over the window stack's receptive field; and the Engram
+restored from a snapshot or replayed over the window stack's receptive field (the backbone's
+window layers; the DSpark stages add none — and a block less is not exact); and the Engram
 history at the hit must be right (a wrong look-back changes the hashed n-grams, so the tokens).
 Shared global records are never rewritten, eviction under pressure never touches a block a
 running request reads, bounded replay runs (its divergence from cold is printed), and the V4.1
@@ -120,6 +121,11 @@ def test_exact_hits_equal_a_cold_run(model, cold_turns, case):
     assert st.hit_requests == 5 and st.queries == sum(map(len, prompts))
     if "prefix_snapshots" in kw:
         assert st.restores == 0 and st.replays == st.hit_requests
+        # The receptive field by hand: the backbone's n window layers chain, W − 1 rows each, and
+        # the last one reads W − 1 rows before H; the DSpark stages (fed by backbone states at
+        # their own positions) add none: (n − 1)·(W − 1) + (W − 1), not (n + stages − 1)·(W − 1) + …
+        cfg = model.cfg
+        assert pc.receptive_field == cfg.num_layers * (cfg.sliding_window - 1) == 42
         # each replay starts ≤ R − 1 + B below its hit (R rounded down to a block)
         assert st.replayed_tokens >= st.hit_requests * (pc.receptive_field - B)
     else:
@@ -128,6 +134,19 @@ def test_exact_hits_equal_a_cold_run(model, cold_turns, case):
     if kw.get("speculative_tokens"):
         assert engine.stats.spec_draft_tokens > 0
     _assert_clean(engine)
+
+
+def test_a_replay_one_block_short_of_the_receptive_field_is_not_exact(model, cold_turns):
+    """The check above can fail: with R understated by a block, the replay for the hit at 80
+    starts at 48 instead of 32, window rows before H are no longer exact, and the prompt one
+    token past the hit leaves the cold run (DSpark on: its windows are replayed too)."""
+    rounds, cold = cold_turns
+    engine = _engine(model, speculative_tokens=4, prefix_snapshots=0)
+    engine.prefix_cache.receptive_field -= B
+    _round(engine, 0, rounds[0])
+    (tokens, logprobs), = _round(engine, 1, [rounds[1][0]])  # BASE[:81]
+    assert engine.prefix_cache.stats.replays == 1
+    assert (tokens, logprobs) != cold[1]
 
 
 def test_fp8_records_restore_exactly(model):

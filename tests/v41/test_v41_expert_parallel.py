@@ -3,11 +3,12 @@
 Through real worker processes (a gloo group, lockstep steps, dummy forwards on an idle rank):
 EP over 2 ranks with DSpark on gives DeepSeek's greedy tokens for every golden prompt of c1,
 and on a `make-model --arch v41 --preset tiny --quantize fp8-fp4` checkpoint (with redundant
-experts) the same tokens as one rank, requests arriving at random moments. Each rank holds its
-share of the backbone's routed experts and every DSpark stage whole. In-process: the row
-packing carries the routing weight bit for bit, and the combine's sum follows the one-rank
-MoE's ascending-expert order, and one MoE layer through every all-to-all backend (a one-rank
-gloo group, redundant replicas) equals the whole layer bit for bit.
+experts) the same tokens as one rank, requests arriving at random moments, over 2 and over 4
+ranks. Each rank holds its share of the backbone's routed experts (2 and 4 ranks) and every
+DSpark stage whole. In-process: the row packing carries the routing weight bit for bit, and
+the combine's sum follows the one-rank MoE's ascending-expert order, and one MoE layer through
+every all-to-all backend (a one-rank gloo group, redundant replicas) equals the whole layer bit
+for bit.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def test_each_rank_holds_its_share_of_the_backbone_experts(tiny):
     backbone = lambda model: [b.ffn for b in model.layers]  # noqa: E731
     stages = lambda model: [s.ffn for s in model.mtp]  # noqa: E731
     assert len(whole.mtp) == cfg.num_nextn_predict_layers
-    for ranks, redundant in ((2, 0), (2, 2)):
+    for ranks, redundant in ((2, 0), (2, 2), (4, 0), (4, 4)):
         placement = initial_placement(cfg, len(whole.mtp), ep(ranks, redundant))
         assert placement.num_layers == cfg.num_layers  # the DSpark stages are not placed
         for rank in range(ranks):
@@ -233,3 +234,16 @@ def test_ep2_with_every_request_on_one_rank(tiny, single):
     got, beats = _run(tiny, ep(2), prompts, session="everything-here")
     assert got == expected
     assert beats[0].step == beats[1].step > 0  # lockstep: the idle rank stepped as often
+
+
+def test_ep4_equals_one_rank(tiny, single):
+    """Four ranks, 4 redundant experts (3 slots each of 8 experts + 4 replicas): the mixed prompts
+    at random steps give the one-rank tokens; every rank stepped in lockstep and reports an
+    expert load for each backbone MoE layer (its dispatch ran). Each rank's share of the expert
+    bytes at 4 ranks: test_each_rank_holds_its_share_of_the_backbone_experts."""
+    prompts, expected = single
+    got, beats = _run(tiny, ep(4, redundant=4), prompts)
+    assert got == expected
+    assert len(beats) == 4 and len({b.step for b in beats}) == 1 and beats[0].step > 0
+    layers = ModelConfig.from_model_dir(tiny).num_layers
+    assert all(len(b.expert_imbalance) == layers for b in beats), beats
