@@ -211,3 +211,43 @@ async def _settled_steps(client, timeout: float = 10.0) -> list[int]:
         if len(set(steps)) == 1 or loop.time() > deadline:
             return steps
         await asyncio.sleep(0.1)
+
+
+def test_a_resent_session_hits_its_prefix_under_expert_parallelism(model_dir, single):
+    """Prefix caching with EP (on by default): a session's prompt resent after it finished goes
+    back to its rank (session affinity), reuses its cached blocks there, and answers as one rank
+    answers it cold — while the other rank runs the same steps with zero tokens."""
+    prompts, expected = single
+    i = max(range(len(prompts)), key=lambda j: len(prompts[j]))  # the longest: at least one full block
+    assert len(prompts[i]) > 16
+
+    async def main():
+        client = EngineClient(model_dir, _config(), threads_per_worker=1,
+                              parallel=ParallelConfig(data_parallel_size=2, enable_expert_parallel=True))
+        await client.start()
+        try:
+            async def once() -> list[int]:
+                tokens = []
+                async for item in client.generate(prompts[i], GREEDY, session="resent"):
+                    if not isinstance(item, Finished):
+                        tokens += item.token_ids
+                return tokens
+
+            first, again = await once(), await once()
+            loop, hits = asyncio.get_running_loop(), 0
+            deadline = loop.time() + 10
+            while hits == 0 and loop.time() < deadline:  # heartbeats carry the counters every 0.25 s
+                await asyncio.sleep(0.1)
+                hits = sum(r.last_beat.prefix_cache_hits for r in client.ranks)
+            return first, again, hits
+        finally:
+            await client.shutdown()
+
+    loop = new_event_loop()
+    try:
+        first, again, hits = loop.run_until_complete(main())
+    finally:
+        loop.close()
+    assert first == again == expected[i]
+    assert hits >= 16  # at least one block of the prompt came from the cache
+    assert not _leftovers()
