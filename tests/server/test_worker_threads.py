@@ -9,16 +9,24 @@ import sys
 
 import pytest
 
-# The order server.worker_entry.main follows: pin, then import the engine (numba with it), then
-# torch.set_num_threads as engine.worker_process does; then one parallel numba kernel.
+# The order server.worker_entry.main follows: pin, then import the engine's kernels (numba with
+# them), then torch.set_num_threads as engine.worker_process does; then one parallel numba kernel
+# (a small one of its own: compiling one of the engine's would take longer than the test).
 CHILD = """
 import json, sys
+import numpy as np
 from server.worker_entry import pin_cpu_threads
 pin_cpu_threads(int(sys.argv[1]))
 import torch, numba
-import kernels.cpu_quant_gemm as q
+import kernels.cpu_quant_gemm  # noqa: F401
+
+@numba.njit(parallel=True)
+def double(a):
+    for i in numba.prange(a.shape[0]):
+        a[i] *= 2.0
+
 torch.set_num_threads(int(sys.argv[1]))
-q.act_quant_fp8(torch.randn(64, 256))  # starts numba's thread pool
+double(np.ones(1 << 16))  # starts numba's thread pool
 print(json.dumps({"numba": numba.get_num_threads(), "torch": torch.get_num_threads()}))
 """
 
