@@ -169,7 +169,7 @@ class _Run:
         except Exception as exc:  # the choice failed (e.g. its request could not be sent): report it
             logger.exception("choice %d of %s failed", choice.state.index, self.id)
             await self.events.put((choice, ProtocolError(f"request failed: {type(exc).__name__}: {exc}", None,
-                                                         "engine_error", status=500, err_type="server_error"), 0))
+                                                         "engine_error", status=500, err_type="server_error"), 0, True))
         finally:
             timer.finish(choice.state.finish_reason or "abort", len(ids), len(choice.state.token_ids))
 
@@ -181,9 +181,9 @@ class _Run:
                 if item.kv_transfer_params is not None:
                     self.kv_transfer_params = item.kv_transfer_params
                 if item.error and not choice.state.token_ids:
-                    await self.events.put((choice, _engine_error(item.error, item.error_code), 0))
+                    await self.events.put((choice, _engine_error(item.error, item.error_code), 0, True))
                     return
-                await self.events.put((choice, choice.feed(item), 0))
+                await self.events.put((choice, choice.feed(item), 0, True))
                 return
             if self.req.score_only:  # max_tokens 0: keep the prompt scores, leave the sampled token out
                 choice.feed(TokenDelta(item.request_id, [], None, None, item.prompt))
@@ -194,28 +194,30 @@ class _Run:
                 else:
                     timer.first_token(n=len(item.token_ids))
                 text = choice.feed(item)
-                await self.events.put((choice, text, len(item.token_ids)))
+                await self.events.put((choice, text, len(item.token_ids), choice.stopped))
                 if choice.stopped:  # a stop string ended it (finish_reason is set); the finally aborts
                     return
 
     async def _events(self):
-        """Yield (choice, text or error, new tokens) until every choice finished."""
+        """Yield (choice, text or error, new tokens, last) until every choice has sent its last
+        event. `last` is decided when the event is queued: a choice's state runs ahead of the
+        queue (its Finished can be folded in before an earlier delta is read), so reading
+        `finish_reason` at the consumer counted one choice as ended twice and cut another short."""
         self._start()
         remaining = len(self.choices)
         deadline = self.state.request_timeout_s
         try:
             async with asyncio.timeout(deadline):
                 while remaining:
-                    choice, payload, n = await self.events.get()
-                    if isinstance(payload, ProtocolError) or choice.state.finish_reason is not None:
-                        remaining -= 1
-                    yield choice, payload, n
+                    choice, payload, n, last = await self.events.get()
+                    remaining -= last
+                    yield choice, payload, n, last
         except TimeoutError:
             self.disconnected = False
             for choice in self.choices:
                 if choice.state.finish_reason is None:
                     text = choice.finish("abort")
-                    yield choice, text, 0
+                    yield choice, text, 0, True
         finally:
             for task in self.tasks:
                 task.cancel()
@@ -224,7 +226,7 @@ class _Run:
     # ---- responses -----------------------------------------------------------------------------
     async def complete(self) -> web.Response:
         async with aclosing(self._events()) as events:  # leaving early cancels every choice at once
-            async for choice, payload, _ in events:
+            async for choice, payload, _, _ in events:
                 if isinstance(payload, ProtocolError):
                     raise payload
                 if choice.state.finish_reason == "error" and choice.state.error:  # failed after some tokens
@@ -247,12 +249,12 @@ class _Run:
                 await self._send(resp, self._chunk(c, {"role": "assistant", "content": ""}, None))
         try:
             async with aclosing(self._events()) as events:
-                async for choice, payload, _ in events:
+                async for choice, payload, _, last in events:
                     if isinstance(payload, ProtocolError):  # after the 200: one error event, then [DONE]
                         await self._send(resp, payload.body())
                         return await self._end(resp)
-                    await self._send_delta(resp, choice, payload)
-                    if choice.state.finish_reason == "error" and choice.state.error:  # failed after some tokens
+                    await self._send_delta(resp, choice, payload, last)
+                    if last and choice.state.finish_reason == "error" and choice.state.error:  # after some tokens
                         await self._send(resp, _engine_error(choice.state.error, choice.state.error_code).body())
         except ConnectionResetError:  # the client went away mid-write: one line, and its requests abort
             logger.info("stream %s: client disconnected", self.id)
@@ -284,18 +286,20 @@ class _Run:
     async def _send(self, resp: web.StreamResponse, obj: dict) -> None:
         await resp.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
 
-    async def _send_delta(self, resp, choice: ChoiceStream, text: str) -> None:
+    async def _send_delta(self, resp, choice: ChoiceStream, text: str, last: bool) -> None:
+        """One chunk for a choice's event; its finish_reason goes out once, with its last event."""
         st = choice.state
+        finish = st.finish_reason if last else None
         new_tokens = st.token_ids[getattr(choice, "sent_tokens", 0):]
         lp = self._logprobs(choice, getattr(choice, "sent_tokens", 0)) if self.req.logprobs is not None else None
         choice.sent_tokens = len(st.token_ids)
-        if not text and not new_tokens and st.finish_reason is None:
+        if not text and not new_tokens and finish is None:
             return
         if self.chat:
-            delta = {"content": text} if text or st.finish_reason is None else {}
-            chunk = self._chunk(choice, delta, st.finish_reason, lp)
+            delta = {"content": text} if text or finish is None else {}
+            chunk = self._chunk(choice, delta, finish, lp)
         else:
-            body = {"index": st.index, "text": text, "logprobs": lp, "finish_reason": st.finish_reason}
+            body = {"index": st.index, "text": text, "logprobs": lp, "finish_reason": finish}
             chunk = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.req.model,
                      "choices": [body]}
         if self.req.continuous_usage:  # running totals, so clients can count tokens per chunk exactly
