@@ -28,7 +28,7 @@ from . import protocol as wire
 from .context import ConnectorContext, group_digests, log, spans
 from .kv_pools import plan_block_ids
 from .nixl_transport import TransferFailed, TransportError
-from .plan import TransferPlan, make_plan
+from .plan import TransferPlan
 
 if TYPE_CHECKING:
     from engine.kv_cache import PagedSequence
@@ -87,7 +87,7 @@ class DecodeSide:
         try:
             if ctx.key:
                 wire.verify(kv, ctx.key)
-            plan = make_plan(ctx.cache.layout, len(prompt), ctx.config.replay_tokens)
+            plan = ctx.plan(len(prompt))
             wire.check_for_decode(kv, prompt_token_ids=prompt, blocks=plan.blocks, compat_hash=ctx.compat,
                                   now=time.time())
         except wire.ProtocolError as exc:
@@ -184,7 +184,22 @@ class DecodeSide:
         if not cache.manager.allocate(seq.table, plan.resume_from, plan.num_tokens):
             return False
         load.seq = seq
+        if plan.resume_from < plan.num_tokens:
+            self._prepare_replay(seq, plan, load.req.prompt_token_ids)
         return True
+
+    def _prepare_replay(self, seq: "PagedSequence", plan: TransferPlan, prompt: list[int]) -> None:
+        """Set up recomputing [resume_from, n) on the global records the READ brings: those
+        stay the prefill's (the replay's writes below n are dropped, as for a prefix-cache
+        hit); the sliding rows the replay reads before its first position are zeros, not a
+        recycled block's bytes; per-sequence token state (V4.1's Engram history) is rebuilt
+        from the prompt below the resume point."""
+        cache, start = self.ctx.cache, plan.resume_from
+        seq.table.frozen_tokens = plan.num_tokens
+        cache.zero_sliding(seq, seq.table.sliding_first * cache.layout.block_size, start)
+        rebuild = getattr(cache, "rebuild_history", None)
+        if rebuild is not None:
+            rebuild(seq, prompt, start)
 
     def _poll_handshakes(self) -> dict[str, str]:
         """Advance every connection in progress; {peer: why} for those that failed."""
