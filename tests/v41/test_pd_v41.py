@@ -76,14 +76,14 @@ def receptive_field(model) -> int:
 
 @pytest.fixture(scope="module")
 def engines(model):
-    """(prefill, decode, decode with DSpark drafting), decode pools poisoned."""
+    """(prefill, decode, chunked decode with DSpark drafting), decode pools poisoned."""
     saved = {k: os.environ.get(k) for k in UCX_ENV}
     os.environ.update(UCX_ENV)
     kv = KVTransferConfig(model_id="tiny-v41@test", lease_s=10.0, idle_peer_s=60.0)
     pre = Engine(model, EngineConfig(**ENGINE, kv_transfer=msgspec.structs.replace(kv, role="prefill")))
     dec = Engine(model, EngineConfig(**ENGINE, kv_transfer=msgspec.structs.replace(kv, role="decode")))
-    # DSpark drafting on (PD roles run without prefix caching, see engine/engine.py).
-    spec = Engine(model, EngineConfig(**{**ENGINE, "speculative_tokens": 3},
+    # DSpark drafting on, the replay computed in chunks of 23 positions.
+    spec = Engine(model, EngineConfig(**{**ENGINE, "speculative_tokens": 3, "max_num_batched_tokens": 23},
                                       kv_transfer=msgspec.structs.replace(kv, role="decode")))
     for e in (pre, dec, spec):
         attach_connector(e)
@@ -164,7 +164,7 @@ def test_pd_handoff_equals_a_cold_colocated_run(engines, cold, receptive_field, 
 
 
 @pytest.mark.parametrize("n", [17, 97])
-def test_pd_handoff_with_dspark_drafting_equals_cold(engines, cold, n):
+def test_pd_handoff_with_dspark_drafting_and_a_chunked_replay_equals_cold(engines, cold, n):
     pre, _, spec = engines
     drafted = spec.stats.spec_draft_tokens
     tokens, logprobs, _ = _handoff(pre, spec, 10 * n + 5, PROMPTS[n])
@@ -215,3 +215,34 @@ def test_decode_rebuilds_the_engram_history_and_zeroes_the_window_before_the_rep
     got = _collect(dec, pre, rid + 1)
     assert got[:2] == (cold[n][0][1:], cold[n][1][1:])
     _settled(pre, dec)
+
+
+def test_bounded_replay_moves_global_rows_and_decodes_finite(model, cold, monkeypatch):
+    """`--kv-replay-tokens 16` on V4.1: the replay starts 16 positions before n (no block
+    alignment), positions before it reach the decode only as global records and zeroed window
+    rows (an approximation, so only completion and finite logprobs are checked)."""
+    for k, v in UCX_ENV.items():
+        monkeypatch.setenv(k, v)
+    kv = KVTransferConfig(model_id="tiny-v41@test", lease_s=10.0, idle_peer_s=60.0, replay_tokens=16)
+    pre = Engine(model, EngineConfig(**ENGINE, kv_transfer=msgspec.structs.replace(kv, role="prefill")))
+    dec = Engine(model, EngineConfig(**ENGINE, kv_transfer=msgspec.structs.replace(kv, role="decode")))
+    for e in (pre, dec):
+        attach_connector(e)
+    for pool in dec.cache.pools.values():
+        for t in pool.tensors.values():
+            t[1:].view(torch.uint8).fill_(0xFF)
+    try:
+        n = 97
+        ctx = dec.connector.ctx
+        assert (ctx.replay_tokens, ctx.replay_align) == (16, 1)
+        assert make_plan(dec.cache.layout, n, 16).resume_from == n - 16
+        tokens, logprobs, done = _handoff(pre, dec, 7000, PROMPTS[n])
+        assert done.reason == "length" and len(tokens) == MAX_TOKENS
+        assert all(lp == lp and lp <= 0 for lp in logprobs)  # finite: no poisoned row was read
+        assert ctx.counters.last_bytes == _global_bytes(dec.cache.layout, n)
+        same = sum(a == b for a, b in zip(tokens, cold[n][0]))
+        print(f"\nbounded replay of 16 at n={n}: {same}/{MAX_TOKENS} greedy tokens equal the cold run's")
+        _settled(pre, dec)
+    finally:
+        dec.connector.close()
+        pre.connector.close()
