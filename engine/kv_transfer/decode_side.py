@@ -10,8 +10,10 @@ here as a `_Load`, in arrival order, through:
 Meanwhile it renews the prefill's lease every third of its lifetime. Verified, the request
 gets its blocks, `num_computed_tokens` = the prompt (or the replay point), the prefill's first
 token appended and emitted, and joins the scheduler's queue; its next step is an ordinary
-decode step. Any failure frees its blocks and either fails the request with the reason
-(`fail`) or queues it for a local prefill (`recompute`); a corrupt block is never decoded from.
+decode step, or (a replay plan: V4.1, `--kv-replay-tokens`) the recomputation of its last prompt
+positions on the global records that arrived (`_prepare_replay`). Any failure frees its blocks
+and either fails the request with the reason (`fail`) or queues it for a local prefill
+(`recompute`); a corrupt block is never decoded from.
 
 Blocks a READ may still write are never freed: an abandoned load whose READ is in flight is
 parked until NIXL reports it done or failed (a timed-out READ disconnects the peer first).
