@@ -27,6 +27,7 @@ from .kv_transfer.config import KVTransferConfig
 from .kv_transfer.context import ConnectorContext, free_port, log, shared_key
 from .kv_transfer.decode_side import DecodeSide
 from .kv_transfer.kv_pools import compat_identity, pool_regions
+from .kv_transfer.plan import replay_policy
 from .kv_transfer.prefill_side import PrefillSide
 from .request import Request, RequestError
 
@@ -43,10 +44,12 @@ class KVConnector:
         from .kv_transfer.nixl_transport import KVTransport, unique_name
 
         cache = engine.cache
+        replay, align = replay_policy(cache.layout, getattr(engine.model.cfg, "arch", "v4"), config.replay_tokens,
+                                      _receptive_field(engine))
         identity = compat_identity(engine.model.cfg, cache.layout, model_id=config.model_id,
                                    compute_dtype=_COMPUTE[str(engine.model.dtype)],
-                                   extra={"slack": cache.manager.slack, "replay_tokens": config.replay_tokens,
-                                          "plan": "spans/1"})
+                                   extra={"slack": cache.manager.slack, "replay_tokens": replay,
+                                          "replay_align": align, "plan": "spans/1"})
         # A prefill is reached on a known port (rank r: port + r); a decode only fetches.
         port = (config.port + rank if config.port else free_port()) if config.prefills else None
         transport = KVTransport(unique_name(f"ringserve-{config.role}-r{rank}"), port, identity=identity)
@@ -55,7 +58,8 @@ class KVConnector:
         except BaseException:
             transport.close()
             raise
-        self.ctx = ConnectorContext(cache, config, transport, config.host, port or 0, shared_key())
+        self.ctx = ConnectorContext(cache, config, transport, config.host, port or 0, shared_key(),
+                                    replay_tokens=replay, replay_align=align)
         self.config, self.rank, self.scheduler = config, rank, engine.scheduler
         self.prefill = PrefillSide(self.ctx) if config.prefills else None
         self.decode = DecodeSide(self.ctx, engine.scheduler, engine.model.cfg.vocab_size) if config.decodes else None
@@ -146,6 +150,22 @@ class KVConnector:
             self.prefill.close()
         self.ctx.transport.close()
         self.last_stats = self._stats()
+
+
+def _receptive_field(engine: "Engine") -> int:
+    """Positions an exact replay recomputes: the prefix cache's receptive field of the window
+    stack (engine/prefix_cache.py owns the formula). Without prefix caching the same formula
+    is applied here: n window layers read W − 1 rows each, the last one its boundary rows."""
+    pc = engine.prefix_cache
+    if pc is not None:
+        return pc.receptive_field
+    from .kv_snapshot import boundary_rows
+
+    layout = engine.cache.layout
+    rows = boundary_rows(layout)
+    windows = [p for p in layout.pools if p.group == "sliding" and not p.name.startswith("state_")]
+    depth = len(set().union(*(p.layers for p in windows))) if windows else 0
+    return max(0, depth - 1) * max((rows[p.name] for p in windows), default=0) + max(rows.values(), default=0)
 
 
 def attach_connector(engine: "Engine", rank: int = 0) -> KVConnector | None:

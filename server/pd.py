@@ -4,7 +4,9 @@ weights (part of the KV compatibility hash), and the `/kv_transfer/stats` route.
 `--kv-role prefill|decode|both --kv-transfer nixl` gives every rank a KV connector
 (engine/kv_connector.py). The prefill ranks listen for NIXL metadata on `--kv-transfer-port`
 + rank (or a free port each) and advertise `--kv-transfer-host`; a decode reaches them there.
-No torch here: this runs in the HTTP process.
+DeepSeek-V4.1 moves only its global records (compressed KV, index keys); the decode rebuilds the
+sliding state by replaying the prompt's last positions (engine/kv_transfer/plan.py
+`replay_policy`). No torch here: this runs in the HTTP process.
 """
 from __future__ import annotations
 
@@ -43,8 +45,9 @@ def add_pd_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-peer-idle-timeout", type=float, default=120.0,
                    help="forget a silent KV peer (a decode that died, an unused prefill) after this many seconds")
     g.add_argument("--kv-replay-tokens", type=int, default=0,
-                   help="move only global rows and recompute the last N prompt positions on the decode "
-                        "(V4.1-style; 0 = move window and compressor rows too, as V4 needs)")
+                   help="move only global rows and recompute the last N prompt positions on the decode; "
+                        "0 (default) = V4: move window and compressor rows too; V4.1: replay the window "
+                        "stack's receptive field (exact). A smaller N is a bounded, approximate replay")
 
 
 def kv_transfer_config_from(args: argparse.Namespace, model_dir: Path | None) -> KVTransferConfig | None:
@@ -64,24 +67,12 @@ def kv_transfer_config_from(args: argparse.Namespace, model_dir: Path | None) ->
             raise ValueError(f"{flag} must be in (0, 86400] seconds, got {value}")
     if args.kv_replay_tokens < 0:
         raise ValueError("--kv-replay-tokens must be ≥ 0")
-    if model_dir is not None and _is_v41(model_dir):
-        raise ValueError("--kv-transfer is not supported for DeepSeek-V4.1 checkpoints yet (its KV layout has "
-                         "no transfer plan); serve it colocated")
     return KVTransferConfig(role=args.kv_role, transport=args.kv_transfer, host=advertised_host(args),
                             port=args.kv_transfer_port, failure_policy=args.kv_load_failure_policy,
                             lease_s=args.kv_lease_timeout, transfer_timeout_s=args.kv_transfer_timeout,
                             connect_timeout_s=args.kv_connect_timeout,
                             model_id=model_fingerprint(model_dir) if model_dir else "", idle_peer_s=args.kv_peer_idle_timeout,
                             replay_tokens=args.kv_replay_tokens)
-
-
-def _is_v41(model_dir: Path) -> bool:
-    from engine.config import ModelConfig  # torch-free
-
-    try:
-        return ModelConfig.from_model_dir(Path(model_dir)).arch == "v41"
-    except (OSError, ValueError):
-        return False  # an unreadable checkpoint is reported where it is loaded
 
 
 def advertised_host(args: argparse.Namespace) -> str:

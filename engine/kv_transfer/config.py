@@ -40,8 +40,9 @@ class KVTransferConfig(Struct, frozen=True, forbid_unknown_fields=True):
     model_id: Annotated[str, Meta(max_length=512)] = ""
     # Forget a peer that has been silent this long (prefill: a reader; decode: an idle server).
     idle_peer_s: Seconds = 120.0
-    # V4.1-style transfer: only the global (full-group) rows cross and the decode recomputes
-    # its last `replay_tokens` prompt positions. 0 = V4: window and compressor rows cross too.
+    # Replay transfer: only the global (full-group) rows cross and the decode recomputes its
+    # last `replay_tokens` prompt positions. 0 = the model's default: V4 moves window and
+    # compressor rows too; V4.1 replays the receptive field, exactly (plan.replay_policy).
     replay_tokens: Annotated[int, Meta(ge=0, le=1 << 20)] = 0
 
     @property

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from . import digest
 from .config import KEY_ENV, KVTransferConfig
-from .plan import TransferPlan
+from .plan import TransferPlan, make_plan
 
 if TYPE_CHECKING:
     from engine.kv_cache import KVCache
@@ -49,6 +49,10 @@ class ConnectorContext:
     port: int  # this engine's NIXL listener (advertised to decodes)
     key: bytes | None = None
     counters: Counters = field(default_factory=Counters)
+    # Resolved replay (plan.replay_policy): 0 = V4's sliding rows cross; else positions the
+    # decode recomputes, its resume point rounded down to a multiple of `replay_align`.
+    replay_tokens: int = 0
+    replay_align: int = 1
 
     @property
     def name(self) -> str:
@@ -57,6 +61,10 @@ class ConnectorContext:
     @property
     def compat(self) -> str:
         return self.transport.layout_digest()
+
+    def plan(self, num_tokens: int) -> TransferPlan:
+        """The transfer plan of a prompt of `num_tokens` tokens (both sides derive the same)."""
+        return make_plan(self.cache.layout, num_tokens, self.replay_tokens, self.replay_align)
 
     def free_blocks(self, full: list[int], sliding: list[int]) -> None:
         self.cache.manager.full.free(full)

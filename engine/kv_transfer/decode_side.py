@@ -10,8 +10,10 @@ here as a `_Load`, in arrival order, through:
 Meanwhile it renews the prefill's lease every third of its lifetime. Verified, the request
 gets its blocks, `num_computed_tokens` = the prompt (or the replay point), the prefill's first
 token appended and emitted, and joins the scheduler's queue; its next step is an ordinary
-decode step. Any failure frees its blocks and either fails the request with the reason
-(`fail`) or queues it for a local prefill (`recompute`); a corrupt block is never decoded from.
+decode step, or (a replay plan: V4.1, `--kv-replay-tokens`) the recomputation of its last prompt
+positions on the global records that arrived (`_prepare_replay`). Any failure frees its blocks
+and either fails the request with the reason (`fail`) or queues it for a local prefill
+(`recompute`); a corrupt block is never decoded from.
 
 Blocks a READ may still write are never freed: an abandoned load whose READ is in flight is
 parked until NIXL reports it done or failed (a timed-out READ disconnects the peer first).
@@ -28,7 +30,7 @@ from . import protocol as wire
 from .context import ConnectorContext, group_digests, log, spans
 from .kv_pools import plan_block_ids
 from .nixl_transport import TransferFailed, TransportError
-from .plan import TransferPlan, make_plan
+from .plan import TransferPlan
 
 if TYPE_CHECKING:
     from engine.kv_cache import PagedSequence
@@ -87,7 +89,7 @@ class DecodeSide:
         try:
             if ctx.key:
                 wire.verify(kv, ctx.key)
-            plan = make_plan(ctx.cache.layout, len(prompt), ctx.config.replay_tokens)
+            plan = ctx.plan(len(prompt))
             wire.check_for_decode(kv, prompt_token_ids=prompt, blocks=plan.blocks, compat_hash=ctx.compat,
                                   now=time.time())
         except wire.ProtocolError as exc:
@@ -184,7 +186,22 @@ class DecodeSide:
         if not cache.manager.allocate(seq.table, plan.resume_from, plan.num_tokens):
             return False
         load.seq = seq
+        if plan.resume_from < plan.num_tokens:
+            self._prepare_replay(seq, plan, load.req.prompt_token_ids)
         return True
+
+    def _prepare_replay(self, seq: "PagedSequence", plan: TransferPlan, prompt: list[int]) -> None:
+        """Set up recomputing [resume_from, n) on the global records the READ brings: those
+        stay the prefill's (the replay's writes below n are dropped, as for a prefix-cache
+        hit); the sliding rows the replay reads before its first position are zeros, not a
+        recycled block's bytes; per-sequence token state (V4.1's Engram history) is rebuilt
+        from the prompt below the resume point."""
+        cache, start = self.ctx.cache, plan.resume_from
+        seq.table.frozen_tokens = plan.num_tokens
+        cache.zero_sliding(seq, seq.table.sliding_first * cache.layout.block_size, start)
+        rebuild = getattr(cache, "rebuild_history", None)
+        if rebuild is not None:
+            rebuild(seq, prompt, start)
 
     def _poll_handshakes(self) -> dict[str, str]:
         """Advance every connection in progress; {peer: why} for those that failed."""

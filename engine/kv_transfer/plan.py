@@ -20,7 +20,11 @@ Both sides derive the plan from (layout, n) alone; only block ids cross. Digests
 (group, logical block): CRC32C chained over that block's spans, pools by name, layers in order.
 
 With `replay_tokens` > 0 (V4.1: window rows are rebuilt, not moved) the sliding pools are left
-out and the decode resumes computing at `resume_from` = n − replay_tokens.
+out and the decode resumes computing at `resume_from` = n − replay_tokens, rounded down to a
+multiple of `align`. `replay_policy` picks both: for V4.1 by default the receptive field of the
+window stack, block-aligned, which makes the replay exact (engine/prefix_cache.py: rows before
+the replay point read as zeros and their error dies out before n; the global records below n are
+the prefill's, never rewritten); a smaller `--kv-replay-tokens` is the bounded approximation.
 """
 from __future__ import annotations
 
@@ -98,7 +102,16 @@ def sliding_window(layout: "KVLayout") -> int:
     return max((p.window for p in layout.pools if p.group == "sliding"), default=0)
 
 
-def make_plan(layout: "KVLayout", num_tokens: int, replay_tokens: int = 0) -> TransferPlan:
+def replay_policy(layout: "KVLayout", arch: str, requested: int, receptive_field: int) -> tuple[int, int]:
+    """(replay tokens, alignment of the replay point) for an engine: V4 moves the sliding rows
+    unless asked to replay (`requested` > 0); V4.1 always replays: `requested` positions if
+    given (bounded, approximate), else the receptive field from a block boundary (exact)."""
+    if arch != "v41" or requested > 0:
+        return requested, 1
+    return max(1, receptive_field), layout.block_size
+
+
+def make_plan(layout: "KVLayout", num_tokens: int, replay_tokens: int = 0, align: int = 1) -> TransferPlan:
     """The plan for a prompt of `num_tokens` tokens (≥ 1)."""
     if num_tokens < 1:
         raise ValueError(f"a transfer needs at least one prompt token, got {num_tokens}")
@@ -119,4 +132,5 @@ def make_plan(layout: "KVLayout", num_tokens: int, replay_tokens: int = 0) -> Tr
     if replay_tokens:
         blocks["sliding"] = (blocks["sliding"][1], blocks["sliding"][1])  # no sliding block crosses
     assert set(blocks) == set(GROUPS)
-    return TransferPlan(n, b, tuple(ranges), blocks, max(0, n - replay_tokens) if replay_tokens else n)
+    resume = max(0, n - replay_tokens) // align * align if replay_tokens else n
+    return TransferPlan(n, b, tuple(ranges), blocks, resume)

@@ -22,7 +22,6 @@ from . import protocol as wire
 from .context import ConnectorContext, group_digests, log, wall_expiry
 from .kv_pools import plan_block_ids
 from .lease import LeaseTable
-from .plan import make_plan
 
 if TYPE_CHECKING:
     from engine.batch import Batch, RequestStepOutput, StepOutput
@@ -57,7 +56,7 @@ class PrefillSide:
 
     def _hold(self, req: "Request", out: "RequestStepOutput") -> wire.KVTransferParams:
         ctx, n = self.ctx, req.num_prompt_tokens
-        plan = make_plan(ctx.cache.layout, n, ctx.config.replay_tokens)
+        plan = ctx.plan(n)
         ids = plan_block_ids(req.seq.table, plan.blocks)
         digests = group_digests(ctx.cache, plan, ids)  # before anyone could write them again
         ctx.cache.manager.full.incref(ids["full"])

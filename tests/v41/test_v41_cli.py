@@ -116,12 +116,13 @@ def test_decoder_tail_flag_reaches_the_engine_config(flags, mode):
     assert engine_config_from(args).decoder_tail == mode
 
 
-def test_pd_transfer_is_refused_for_v41_with_a_clear_message(golden_root):
-    """PD has no transfer plan for V4.1's KV layout yet: the flags are refused before anything starts."""
+def test_pd_transfer_is_accepted_for_v41(golden_root):
+    """V4.1 PD moves only global rows and replays the rest (tests/v41/test_pd_v41.py): the
+    flags give a connector config, its replay left to the connector (0 = exact)."""
     from server.cli import build_parser
     from server.pd import kv_transfer_config_from
 
     model = golden_root / "c1"
     args = build_parser().parse_args(["serve", str(model), "--kv-role", "prefill", "--kv-transfer", "nixl"])
-    with pytest.raises(ValueError, match="not supported for DeepSeek-V4.1"):
-        kv_transfer_config_from(args, model)
+    config = kv_transfer_config_from(args, model)
+    assert config.role == "prefill" and config.replay_tokens == 0 and config.model_id.startswith("c1@")
