@@ -153,19 +153,11 @@ class KVConnector:
 
 
 def _receptive_field(engine: "Engine") -> int:
-    """Positions an exact replay recomputes: the prefix cache's receptive field of the window
-    stack (engine/prefix_cache.py owns the formula). Without prefix caching the same formula
-    is applied here: n window layers read W − 1 rows each, the last one its boundary rows."""
-    pc = engine.prefix_cache
-    if pc is not None:
-        return pc.receptive_field
-    from .kv_snapshot import boundary_rows
+    """Positions an exact replay recomputes (engine/prefix_cache.py owns the formula; prefix
+    caching itself is off under PD roles)."""
+    from .prefix_cache import receptive_field
 
-    layout = engine.cache.layout
-    rows = boundary_rows(layout)
-    windows = [p for p in layout.pools if p.group == "sliding" and not p.name.startswith("state_")]
-    depth = len(set().union(*(p.layers for p in windows))) if windows else 0
-    return max(0, depth - 1) * max((rows[p.name] for p in windows), default=0) + max(rows.values(), default=0)
+    return receptive_field(engine.cache)
 
 
 def attach_connector(engine: "Engine", rank: int = 0) -> KVConnector | None:

@@ -98,11 +98,8 @@ class PrefixCache:
         self.speculative = speculative
         self.store = cache.snapshots if mode == "exact" else None
         layout = cache.layout
-        rows = boundary_rows(layout)
-        self.lookback = max(rows.values(), default=0)
-        windows = [p for p in layout.pools if p.group == "sliding" and not p.name.startswith("state_")]
-        window_rows = max((rows[p.name] for p in windows), default=0)
-        self.receptive_field = max(0, _chained_window_layers(cache, windows) - 1) * window_rows + self.lookback
+        self.lookback = max(boundary_rows(layout).values(), default=0)
+        self.receptive_field = receptive_field(cache)
         ratios = [p.tokens_per_record for p in layout.pools if p.group == "full"]
         step = math.lcm(*ratios) if ratios else 1
         self.bounded_tokens = -(-max(self.lookback, 1) // step) * step
@@ -355,6 +352,15 @@ class PrefixCache:
         if token_ids is not None:
             self._rebuild_history(seq, token_ids, start)
         return start
+
+
+def receptive_field(cache) -> int:
+    """R: how many positions before H an exact replay recomputes, so that every sliding row it
+    leaves at H is what a cold run has (used by prefix-cache hits and by PD's V4.1 replay)."""
+    rows = boundary_rows(cache.layout)
+    windows = [p for p in cache.layout.pools if p.group == "sliding" and not p.name.startswith("state_")]
+    window_rows = max((rows[p.name] for p in windows), default=0)
+    return max(0, _chained_window_layers(cache, windows) - 1) * window_rows + max(rows.values(), default=0)
 
 
 def _chained_window_layers(cache, windows) -> int:
