@@ -6,8 +6,10 @@ Boots in ≈ 10 s on 2 shared cores (a tiny V4.1 checkpoint, three servers at on
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
+import urllib.request
 
 import pytest
 
@@ -67,6 +69,17 @@ def _complete(url: str, prompt: list[int]) -> dict:
     return out["choices"][0]
 
 
+def _streamed_text(url: str, prompt: list[int]) -> str:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "stream": True}
+    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"})
+    events = []
+    with urllib.request.urlopen(req, timeout=120) as r:
+        events = [line[6:].strip() for line in r if line.startswith(b"data: ")]
+    assert events[-1] == b"[DONE]", events[-2:]
+    return "".join(c["text"] for e in events[:-1] for c in json.loads(e)["choices"])
+
+
 def _global_bytes(model_dir, n: int) -> int:
     """Every complete record of the served layout's full pools (auto KV, blocks of 16)."""
     from engine.config import ModelConfig
@@ -88,4 +101,6 @@ def test_v41_completions_through_the_proxy_equal_colocated(pd, v41_dir, n):
     assert got["logprobs"]["token_logprobs"] == pytest.approx(want["logprobs"]["token_logprobs"], abs=1e-4)
     stats = _settles(dec, loaded=loaded + 1)
     assert stats["last_bytes"] == _global_bytes(v41_dir, n)  # only global records crossed
+    assert _streamed_text(proxy.url, prompt) == want["text"]  # streamed through both legs as well
+    _settles(dec, loaded=loaded + 2)
     _holds_nothing(pre, dec)
