@@ -14,6 +14,7 @@ import time
 import aiohttp
 import pytest
 
+from process_state import stop_process
 from server_process import Server, children as _children, segments_of as _segments_of, workers as _workers
 
 HEADERS = {"Authorization": "Bearer test-key-123"}
@@ -112,14 +113,19 @@ def test_sigterm_drains_then_aborts_and_cleans_up(model_dir, tmp_path):
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sock.bind(str(notify))
     sock.settimeout(0.1)
-    # Short drain: a quiet machine decodes LONG's 900 tokens of the tiny model in about 2 s, and the
-    # streams must still be running when the drain ends.
+    # The streams must still be running when the drain ends, whatever the machine's speed (a quiet
+    # one decodes 900 tiny-model tokens within a second): the worker is stopped once both streams
+    # have started, and let go only after the drain has run out, when the server has told it to stop.
     server = Server(model_dir, "--drain-timeout", "0.8", env={"NOTIFY_SOCKET": str(notify)})
+    worker = _workers(server.proc.pid)[0]
     messages = []
     try:
         async def main():
             async with aiohttp.ClientSession() as s:
-                async def read_rest(resp):
+                started = [asyncio.Event(), asyncio.Event()]
+
+                async def read_rest(resp, started):
+                    started.set()
                     finish = None
                     async for line in resp.content:
                         if line.startswith(b"data: {"):
@@ -127,15 +133,21 @@ def test_sigterm_drains_then_aborts_and_cleans_up(model_dir, tmp_path):
                             if choice and choice[0]["finish_reason"]:
                                 finish = choice[0]["finish_reason"]
                     return finish
-                streams = [asyncio.ensure_future(_first_chunk_then(s, server.url, LONG, read_rest)) for _ in range(2)]
-                await asyncio.sleep(0.3)
-                os.kill(server.proc.pid, signal.SIGTERM)
-                await asyncio.sleep(0.2)
-                async with s.get(server.url + "/ready") as r:
-                    ready = r.status
-                async with s.post(server.url + "/v1/completions", json={"prompt": "late", "max_tokens": 2},
-                                  headers=HEADERS) as r:
-                    late = r.status
+                streams = [asyncio.ensure_future(_first_chunk_then(s, server.url, LONG, lambda r, e=e: read_rest(r, e)))
+                           for e in started]
+                await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), timeout=60)
+                stop_process(worker)
+                try:
+                    os.kill(server.proc.pid, signal.SIGTERM)
+                    await asyncio.sleep(0.2)
+                    async with s.get(server.url + "/ready") as r:
+                        ready = r.status
+                    async with s.post(server.url + "/v1/completions", json={"prompt": "late", "max_tokens": 2},
+                                      headers=HEADERS) as r:
+                        late = r.status
+                    await asyncio.sleep(1.3)  # past the 0.8 s drain: the server is shutting the worker down
+                finally:
+                    os.kill(worker, signal.SIGCONT)
                 return ready, late, await asyncio.gather(*streams)
         ready, late, finishes = asyncio.run(main())
         assert ready == 503 and late == 503
