@@ -17,7 +17,7 @@ import pytest
 from ipc import ring_layout as L
 from ipc.segment import SHM_DIR
 
-from process_state import stop_process
+from process_state import all_gone, stop_process
 from server_process import Server, segments_of as _segments_of, workers as _workers
 
 HEADERS = {"Authorization": "Bearer test-key-123", "Content-Type": "application/json"}
@@ -212,7 +212,7 @@ def test_a_killed_expert_parallel_rank_takes_the_whole_group_down(model_dir):
         server.stop()
     assert code == 1, log
     assert took < 30, took  # within the collective timeout; in practice the peer's socket closes at once
-    assert not any(os.path.exists(f"/proc/{pid}") for pid in workers)
+    assert all_gone(workers)
     error = json.loads(events[-2])["error"]
     assert events[-1] == b"[DONE]" and "died" in error["message"], events[-3:]
     assert not _segments_of(server.proc.pid)

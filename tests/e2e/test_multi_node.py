@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
+from process_state import all_gone
 from server_process import API_KEY, Node, Server, free_port, segments_of, workers
 
 PROMPTS = ["hello world", "the quick brown fox", "a", "once upon a time there was", "1 2 3 4", "zebra"]
@@ -70,7 +71,7 @@ def test_two_nodes_serve_what_one_process_serves_and_stop_together(model_dir):
     assert got == expected
     assert (head_code, node_code) == (0, 0), (head.output(), node.output())
     assert "Traceback" not in node.output() and "Traceback" not in head.output()
-    assert not any(os.path.exists(f"/proc/{pid}") for pid in node_workers)
+    assert all_gone(node_workers)
     assert not segments_of(head.proc.pid) and not segments_of(node.proc.pid)
 
 

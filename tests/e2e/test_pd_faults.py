@@ -26,7 +26,7 @@ import pytest
 
 pytest.importorskip("nixl_cu12", reason="nixl-cu12 is not installed: PD disaggregation needs NIXL")
 
-from process_state import stop_process  # noqa: E402
+from process_state import all_gone, stop_process  # noqa: E402
 from server_process import API_KEY, Server, children, segments_of, workers  # noqa: E402
 from test_pd import UCX_ENV, Proxy, _Deferred, _holds_nothing, _kv, _leg1, _post, _settles  # noqa: E402
 
@@ -172,7 +172,7 @@ def test_a_prefill_killed_during_the_read_fails_it_fast_and_the_proxy_moves_on(c
         with _Background(lambda: _post(d1.url + "/v1/completions", dict(GREEDY, kv_transfer_params=params))) as leg2, \
                 _Background(lambda: _post(proxy.url + "/v1/completions", GREEDY)) as through:
             _wait_read_posted(d1)
-            time.sleep(1.0)  # for the proxy's leg 1 to reach P1 (nothing to poll: P1's engine is stopped)
+            time.sleep(2.0)  # for the proxy's leg 1 to reach P1 (nothing to poll: P1's engine is stopped)
             os.killpg(p1.proc.pid, signal.SIGKILL)
             killed = time.monotonic()
             status, body = leg2.result(timeout=15)
@@ -190,7 +190,7 @@ def test_a_prefill_killed_during_the_read_fails_it_fast_and_the_proxy_moves_on(c
     _idle(d1, p2)
     _fresh_request_is_right(cast)  # P1 refuses connections: leg 1 goes to P2
     _idle(d1, p2)
-    assert not any(os.path.exists(f"/proc/{pid}") for pid in dead)
+    assert all_gone(dead)
     _remove_rings_of_dead(p1.proc.pid)
 
 
@@ -233,7 +233,7 @@ def test_a_decode_killed_mid_stream_ends_the_proxys_stream_with_an_error_then_do
     _idle(p2, d2)
     _fresh_request_is_right(cast)
     _idle(p2, d2)
-    assert not any(os.path.exists(f"/proc/{pid}") for pid in dead)
+    assert all_gone(dead)
     _remove_rings_of_dead(d1.proc.pid)
 
 
@@ -260,7 +260,7 @@ def _remove_rings_of_dead(pid: int) -> None:
     gone, then do that for its rings only (other users' files are not this test's)."""
     from ipc.segment import SHM_DIR
 
-    assert not os.path.exists(f"/proc/{pid}")
+    assert all_gone([pid])
     for name in segments_of(pid):
         os.unlink(os.path.join(SHM_DIR, name))
 
