@@ -126,6 +126,20 @@ def _holds_nothing(*servers: Server, timeout: float = 10.0) -> None:
             time.sleep(0.1)
 
 
+def _stop_cleanly(server: Server) -> None:
+    """SIGTERM one server: it exits 0 and leaves no shared-memory segment or child behind."""
+    pid = server.proc.pid
+    assert server.stop() == 0, server.output()
+    assert not segments_of(pid) and not children(pid), server.output()
+
+
+def _kill_leftovers(procs) -> None:
+    """After a failed setup or test: SIGKILL whatever still runs, whole process groups."""
+    for p in procs:
+        if p.proc.poll() is None:
+            os.killpg(p.proc.pid, signal.SIGKILL)
+
+
 @pytest.fixture(scope="module")
 def pd(model_dir):
     """(proxy, prefill, decode, colocated): all booted together (2 shared cores: this dominates)."""
@@ -147,13 +161,9 @@ def pd(model_dir):
         assert proxy.stop() == 0, proxy.output()
         for s in (pre, dec, col):
             if s.proc.poll() is None:  # the prefill was killed by the last fault test
-                pid = s.proc.pid
-                assert s.stop() == 0, s.output()
-                assert not segments_of(pid) and not children(pid), s.output()
+                _stop_cleanly(s)
     finally:
-        for p in procs:
-            if p.proc.poll() is None:
-                os.killpg(p.proc.pid, signal.SIGKILL)
+        _kill_leftovers(procs)
 
 
 def _client(url: str) -> "openai.OpenAI":

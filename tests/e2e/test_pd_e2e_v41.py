@@ -7,16 +7,15 @@ Boots in ≈ 10 s on 2 shared cores (a tiny V4.1 checkpoint, three servers at on
 from __future__ import annotations
 
 import json
-import os
-import signal
 import urllib.request
 
 import pytest
 
 pytest.importorskip("nixl_cu12", reason="nixl-cu12 is not installed: PD disaggregation needs NIXL")
 
-from server_process import API_KEY, children, segments_of  # noqa: E402
-from test_pd import UCX_ENV, Proxy, _Deferred, _holds_nothing, _post, _settles  # noqa: E402
+from server_process import API_KEY  # noqa: E402
+from test_pd import (UCX_ENV, Proxy, _Deferred, _holds_nothing, _kill_leftovers, _post, _settles,  # noqa: E402
+                     _stop_cleanly)
 
 COMMON = ("--max-num-seqs", "2", "--kv-transfer-timeout", "10", "--kv-connect-timeout", "5")
 
@@ -46,13 +45,9 @@ def pd(v41_dir, monkeypatch_module):
         yield proxy, pre, dec, col
         assert proxy.stop() == 0, proxy.output()
         for s in (pre, dec, col):
-            pid = s.proc.pid
-            assert s.stop() == 0, s.output()
-            assert not segments_of(pid) and not children(pid), s.output()
+            _stop_cleanly(s)
     finally:
-        for p in procs:
-            if p.proc.poll() is None:
-                os.killpg(p.proc.pid, signal.SIGKILL)
+        _kill_leftovers(procs)
 
 
 @pytest.fixture(scope="module")

@@ -27,8 +27,9 @@ import pytest
 pytest.importorskip("nixl_cu12", reason="nixl-cu12 is not installed: PD disaggregation needs NIXL")
 
 from process_state import all_gone, stop_process  # noqa: E402
-from server_process import API_KEY, Server, children, segments_of, workers  # noqa: E402
-from test_pd import UCX_ENV, Proxy, _Deferred, _holds_nothing, _kv, _leg1, _post, _settles  # noqa: E402
+from server_process import API_KEY, Server, segments_of, workers  # noqa: E402
+from test_pd import (UCX_ENV, Proxy, _Deferred, _holds_nothing, _kill_leftovers, _kv, _leg1, _post,  # noqa: E402
+                     _settles, _stop_cleanly)
 
 COMMON = ("--max-num-seqs", "4", "--kv-connect-timeout", "2")
 PROMPT = [(5 * i + 11) % 250 + 1 for i in range(40)]  # 3 blocks of 16, partial records of both ratios
@@ -66,13 +67,9 @@ def cast(model_dir):
         assert only_d1.stop() == 0, only_d1.output()
         for s in (p1, p2, d1, d2):
             if s.proc.poll() is None:
-                pid = s.proc.pid
-                assert s.stop() == 0, s.output()
-                assert not segments_of(pid) and not children(pid), s.output()
+                _stop_cleanly(s)
     finally:
-        for p in procs:
-            if p.proc.poll() is None:
-                os.killpg(p.proc.pid, signal.SIGKILL)
+        _kill_leftovers(procs)
 
 
 def _idle(*servers: Server, timeout: float = 10.0) -> None:
