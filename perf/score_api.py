@@ -13,26 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
-from perf.machine import header  # noqa: E402
 
-
-@dataclass
-class ApiScore:
-    nats: float  # summed over scored tokens
-    tokens: int
-    chars: int  # characters of the scored tokens' text
-
-    @property
-    def nats_per_token(self) -> float:
-        return self.nats / self.tokens
-
-    @property
-    def bits_per_char(self) -> float:
-        return self.nats / math.log(2) / self.chars
+from perf.machine import header
+from train.score import Score
 
 
 def _post(url: str, path: str, body: dict, api_key: str | None) -> dict:
@@ -43,7 +28,7 @@ def _post(url: str, path: str, body: dict, api_key: str | None) -> dict:
 
 
 def score_text(url: str, text: str, length: int = 256, api_key: str | None = None,
-               model: str | None = None) -> ApiScore:
+               model: str | None = None) -> Score:
     ids = _post(url, "/tokenize", {"prompt": text}, api_key)["tokens"]
     n = (len(ids) - 1) // length
     if n < 1:
@@ -58,7 +43,7 @@ def score_text(url: str, text: str, length: int = 256, api_key: str | None = Non
         tokens += length
         detok = _post(url, "/detokenize", {"tokens": window[1:]}, api_key)
         chars += len(detok["prompt"])
-    return ApiScore(total, tokens, chars)
+    return Score(total, tokens, chars)
 
 
 def main() -> None:

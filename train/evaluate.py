@@ -10,9 +10,7 @@ exactly as its tests drive it.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -22,26 +20,13 @@ from tokenizers import Tokenizer
 from engine.attention import SeqSlice, SequenceContext
 from engine.model import DeepseekV4
 
+from .score import Score
+
 
 class Decoder(Protocol):
     """A tokenizers.Tokenizer or the server's Tokenizer: both decode like this."""
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
-
-
-@dataclass(frozen=True)
-class Score:
-    nats: float  # total over all targets
-    tokens: int
-    chars: int  # characters the targets decode to
-
-    @property
-    def nats_per_token(self) -> float:
-        return self.nats / self.tokens
-
-    @property
-    def bits_per_char(self) -> float:
-        return self.nats / math.log(2) / self.chars
 
 
 def token_stream(tok: Tokenizer, texts: Iterable[str], bos: int = 0, eos: int = 1) -> list[int]:
