@@ -1,6 +1,14 @@
 """CPU GEMMs on FP8 / packed-FP4 weights without materialising the dequantized weight.
 
-The weight is walked in N-tiles of about ``TILE_BYTES`` of fp32: numba decodes one tile's codes
+Two paths, chosen by the number of activation rows M (per expert for the grouped ops):
+
+* M <= ``GEMV_MAX_ROWS`` (decode): one numba kernel per op, grouped ops included (every expert
+  with rows in the same call, no Python loop). Each weight row is decoded once into a per-thread
+  fp32 row buffer that stays in L1, then dotted with the M activation rows; the weight is read
+  once, as stored (1 byte or half a byte per element), like llama.cpp's vec_dot kernels.
+* larger M (prefill): the tiled path below, where torch's sgemm does the arithmetic.
+
+On the tiled path the weight is walked in N-tiles of about ``TILE_BYTES`` of fp32: numba decodes one tile's codes
 and scales into a reused buffer (a 256- or 16-entry table lookup times the block scale: exactly
 the reference's fp32 values, NaN and subnormals included), then one torch ``mm`` multiplies it
 into the matching rows of a transposed fp32 output. Peak extra memory is one tile plus the fp32
@@ -25,8 +33,21 @@ from kernels.cpu_numerics import (F32, U32, amax_key, bits_f32, borrow, clamp_in
 from kernels.reference import ACT_GROUP, E2M1_VALUES, FP4_GROUP
 
 TILE_BYTES = 1 << 21     # fp32 weight tile per mm: about a core's L2 (larger tiles help large M)
+# Activation rows up to which the fused row kernels beat tile decode + sgemm: on a 2-core Xeon
+# they won at M <= 4 (1.1-3x) and lost at 16 (0.6x), where sgemm's register blocking pays off
+# (perf/bench_quant_gemm.py prints both paths per M).
+GEMV_MAX_ROWS = 4
+ROWS_PER_TASK = 16       # weight rows per parallel task of the fused kernels (one row buffer each)
+# Reassociation (and FMA contraction) lets LLVM vectorise the fp32 dot products; unlike full
+# fastmath it keeps IEEE NaN / Inf semantics, so a NaN weight or activation still poisons its sums.
+_DOT_MATH = {"reassoc", "contract"}
 E4M3_TABLE = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float().numpy()
 E2M1_TABLE = torch.cat([E2M1_VALUES, -E2M1_VALUES]).numpy()   # code 8 is -0
+# Both values of a packed byte b as one uint64: e2m1(b & 15) in the low 4 bytes (the first
+# element), e2m1(b >> 4) in the high ones; little-endian, as every CPU torch runs on.
+_BYTES = np.arange(256)
+E2M1_PAIR_TABLE = np.ascontiguousarray(
+    np.stack([E2M1_TABLE[_BYTES & 15], E2M1_TABLE[_BYTES >> 4]], axis=1).astype(np.float32).view(np.uint64)[:, 0])
 _E4M3_MAX = F32(448.0)
 
 
@@ -81,6 +102,134 @@ def _dequant_fp4_rows(packed_arg, scale_arg, table_arg, group, out_arg):
             j0 = g * half
             j1 = min(j0 + half, pairs)
             _decode_fp4(src[j0:j1], table, scale_value(srow[g]), dst[2 * j0:2 * j1])
+
+
+# ---- fused row kernels (decode): one weight row decoded into L1, dotted with every activation row
+
+# Every inner loop runs over a whole row (no loop bounded by a scale block): LLVM vectorises
+# those (table lookups as gathers), while block-bounded inner loops measured 3-4x slower.
+
+@njit(cache=True, error_model="numpy", fastmath=_DOT_MATH)
+def _dot_rows(w, a, r, out):
+    """out[i, r] = w . a[i] for every activation row i; w [K] fp32."""
+    for i in range(a.shape[0]):
+        acc = F32(0)
+        for j in range(w.shape[0]):
+            acc += w[j] * a[i, j]
+        out[i, r] = acc
+
+
+@njit(cache=True, error_model="numpy")
+def _expand_scales(srow, block, dst):
+    """dst[k] = value of srow[k // block]: one scale per weight element of a row."""
+    for kb in range(srow.shape[0]):
+        v = scale_value(srow[kb])
+        for j in range(kb * block, min(dst.shape[0], (kb + 1) * block)):
+            dst[j] = v
+
+
+@njit(cache=True, error_model="numpy")
+def _decode_fp8_row(src, sk, table, dst):
+    """dst[k] = e4m3(src[k]) * sk[k]: the tiled path's decode, one row."""
+    for j in range(src.shape[0]):
+        dst[j] = table[src[j]] * sk[j]
+
+
+@njit(cache=True, error_model="numpy")
+def _decode_fp4_row(src, sk, pair_table, pairs, dst):
+    """dst[k] = e2m1(nibble k of src) * sk[k]; pairs (uint64 [K/2]) is dst's memory: one 8-byte
+    lookup per packed byte writes both of its values (low nibble first)."""
+    for j in range(src.shape[0]):
+        pairs[j] = pair_table[src[j]]
+    for j in range(dst.shape[0]):
+        dst[j] *= sk[j]
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def _fp8_gemv(codes_arg, scale_arg, table_arg, block_n, block_k, a_arg, out_arg):
+    """out[m, n] = a[m] . (e4m3(codes[n]) * scale[n // block_n]); codes [N, K] u8, a [M, K], out [M, N]."""
+    codes, scale, table = borrow(codes_arg), borrow(scale_arg), borrow(table_arg)
+    a, out = borrow(a_arg), borrow(out_arg)
+    n, k = codes.shape
+    for task in prange((n + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
+        w, sk = np.empty(k, np.float32), np.empty(k, np.float32)    # [K] this thread's row, its scales
+        block = -1
+        for r in range(task * ROWS_PER_TASK, min(n, (task + 1) * ROWS_PER_TASK)):
+            if r // block_n != block:
+                block = r // block_n
+                _expand_scales(scale[block], block_k, sk)
+            _decode_fp8_row(codes[r], sk, table, w)
+            _dot_rows(w, a, r, out)
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def _fp4_gemv(packed_arg, scale_arg, pair_table_arg, group, a_arg, out_arg):
+    """out[m, n] = a[m] . (e2m1(packed[n]) * scale[n, k // group]); packed [N, K/2] u8, out [M, N]."""
+    packed, scale, pair_table, a, out = (borrow(packed_arg), borrow(scale_arg), borrow(pair_table_arg),
+                                         borrow(a_arg), borrow(out_arg))
+    n, half = packed.shape
+    for task in prange((n + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
+        pairs, sk = np.empty(half, np.uint64), np.empty(2 * half, np.float32)
+        w = pairs.view(np.float32)                                  # [K]
+        for r in range(task * ROWS_PER_TASK, min(n, (task + 1) * ROWS_PER_TASK)):
+            _expand_scales(scale[r], group, sk)
+            _decode_fp4_row(packed[r], sk, pair_table, pairs, w)
+            _dot_rows(w, a, r, out)
+
+
+@njit(cache=True, error_model="numpy")
+def _active_experts(ends):
+    """(experts with rows, their first slot): ends [E] are cumulative slot counts."""
+    active, first = np.empty(ends.shape[0], np.int64), np.empty(ends.shape[0], np.int64)
+    count, start = 0, 0
+    for e in range(ends.shape[0]):
+        if ends[e] > start:
+            active[count], first[count] = e, start
+            count += 1
+        start = max(start, ends[e])
+    return active[:count], first[:count]
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def _fp8_grouped_gemv(codes_arg, scale_arg, table_arg, block_n, block_k, a_arg, ends_arg, out_arg):
+    """Slots [first, ends[e]) of expert e through its weight codes[e] [N, K]; out [S, N] (zeroed:
+    slots of no expert stay 0). Parallel over (expert with rows, row task) pairs, so the few
+    active experts of a decode step spread over every thread."""
+    codes, scale, table = borrow(codes_arg), borrow(scale_arg), borrow(table_arg)
+    a, out = borrow(a_arg), borrow(out_arg)
+    n, k = codes.shape[1], codes.shape[2]
+    active, first = _active_experts(borrow(ends_arg))
+    tasks = (n + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    for t in prange(active.shape[0] * tasks):
+        e, task = active[t // tasks], t % tasks
+        rows = a[first[t // tasks]:ends_arg[e]]
+        w, sk = np.empty(k, np.float32), np.empty(k, np.float32)
+        block = -1
+        for r in range(task * ROWS_PER_TASK, min(n, (task + 1) * ROWS_PER_TASK)):
+            if r // block_n != block:
+                block = r // block_n
+                _expand_scales(scale[e, block], block_k, sk)
+            _decode_fp8_row(codes[e, r], sk, table, w)
+            _dot_rows(w, rows, r, out[first[t // tasks]:ends_arg[e]])
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def _fp4_grouped_gemv(packed_arg, scale_arg, pair_table_arg, group, a_arg, ends_arg, out_arg):
+    """As _fp8_grouped_gemv for packed e2m1 experts [E, N, K/2] with per-row group scales."""
+    packed, scale, pair_table, a, out = (borrow(packed_arg), borrow(scale_arg), borrow(pair_table_arg),
+                                         borrow(a_arg), borrow(out_arg))
+    n, half = packed.shape[1], packed.shape[2]
+    active, first = _active_experts(borrow(ends_arg))
+    tasks = (n + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    for t in prange(active.shape[0] * tasks):
+        e, task = active[t // tasks], t % tasks
+        rows = a[first[t // tasks]:ends_arg[e]]
+        pairs, sk = np.empty(half, np.uint64), np.empty(2 * half, np.float32)
+        w = pairs.view(np.float32)
+        for r in range(task * ROWS_PER_TASK, min(n, (task + 1) * ROWS_PER_TASK)):
+            _expand_scales(scale[e, r], group, sk)
+            _decode_fp4_row(packed[e, r], sk, pair_table, pairs, w)
+            _dot_rows(w, rows, r, out[first[t // tasks]:ends_arg[e]])
 
 
 @njit(cache=True, error_model="numpy")
@@ -151,26 +300,41 @@ def _tiled_mm(a: torch.Tensor, n: int, row_align: int, dequant: Callable[[int, i
 
 
 def _fp8_mm(a: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """a fp32 [M, K] @ dequant(weight)^T -> fp32 [M, N] (a transposed view on the tiled path)."""
     codes, s = _np(weight), _np(scale)
     bn, bk = block
+    if a.shape[0] == 0:
+        return torch.empty(0, weight.shape[0])
+    if a.shape[0] <= GEMV_MAX_ROWS:
+        out = torch.empty(a.shape[0], weight.shape[0])        # [M, N]
+        _fp8_gemv(codes, s, E4M3_TABLE, bn, bk, a.numpy(), out.numpy())
+        return out
 
     def dequant(n0: int, n1: int, buf: np.ndarray) -> None:
         _dequant_fp8_rows(codes[n0:n1], s, E4M3_TABLE, bn, bk, n0, buf)
-    return _tiled_mm(a, weight.shape[0], bn, dequant)
+    return _tiled_mm(a, weight.shape[0], bn, dequant).T
 
 
 def _fp4_mm(a: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
+    """a fp32 [M, K] @ dequant(packed)^T -> fp32 [M, N]."""
     pairs, s = _np(packed), _np(scale)
+    if a.shape[0] == 0:
+        return torch.empty(0, packed.shape[0])
+    if a.shape[0] <= GEMV_MAX_ROWS:
+        out = torch.empty(a.shape[0], packed.shape[0])
+        _fp4_gemv(pairs, s, E2M1_PAIR_TABLE, group, a.numpy(), out.numpy())
+        return out
 
     def dequant(n0: int, n1: int, buf: np.ndarray) -> None:
         _dequant_fp4_rows(pairs[n0:n1], s[n0:n1], E2M1_TABLE, group, buf)
-    return _tiled_mm(a, packed.shape[0], 1, dequant)
+    return _tiled_mm(a, packed.shape[0], 1, dequant).T
 
 
-def _finish(out_t: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """[N, M] fp32 -> [M, N] out_dtype, transposed and cast in one copy."""
-    out = torch.empty(out_t.shape[1], out_t.shape[0], dtype=out_dtype)
-    return out.copy_(out_t.T)
+def _finish(out: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """fp32 [M, N] (possibly a transposed view) -> a contiguous out_dtype [M, N], one copy at most."""
+    if out.dtype == out_dtype and out.is_contiguous():
+        return out
+    return torch.empty(out.shape, dtype=out_dtype).copy_(out)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (128, 128),
@@ -190,16 +354,24 @@ def fp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, act_q
 
 
 def _grouped(a: torch.Tensor, n: int, offsets: torch.Tensor, out_dtype: torch.dtype,
+             fused: Callable[[np.ndarray, np.ndarray], None],
              expert_mm: Callable[[torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
-    """Expert e's rows [offsets[e-1], offsets[e]) through expert_mm(rows, e) -> [N, rows];
-    experts without rows are never decoded; rows past offsets[-1] stay zero."""
-    out = torch.zeros(a.shape[0], n, dtype=out_dtype)       # [S, N]
+    """Expert e's rows [offsets[e-1], offsets[e]) of a fp32 [S, K] through expert e -> [S, N];
+    experts without rows are never decoded; rows past offsets[-1] stay zero. When no expert has
+    more than GEMV_MAX_ROWS rows (decode), one fused call fused(ends, out) does every expert;
+    otherwise expert_mm(rows, e) -> fp32 [rows, N] runs per expert with rows."""
+    ends = offsets.to(torch.int64).numpy()
+    counts = np.diff(ends, prepend=0)
+    out = torch.zeros(a.shape[0], n)                        # [S, N] fp32
+    if a.shape[0] and counts.max(initial=0) <= GEMV_MAX_ROWS:
+        fused(ends, out.numpy())
+        return _finish(out, out_dtype)
     start = 0
-    for e, end in enumerate(offsets.tolist()):
+    for e, end in enumerate(ends.tolist()):
         if end > start:
-            out[start:end] = expert_mm(a[start:end], e).T
+            out[start:end] = expert_mm(a[start:end], e)
         start = end
-    return out
+    return _finish(out, out_dtype)
 
 
 def fp8_grouped_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, offsets: torch.Tensor,
@@ -207,8 +379,12 @@ def fp8_grouped_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, o
                    out_dtype: torch.dtype | None = None, act_group: int = ACT_GROUP) -> torch.Tensor:
     checks.check_fp8_gemm("fp8_grouped_mm", x, weight, scale, block, offsets, out_dtype, act_group)
     a = _activation(x, act_quant, act_group)
-    return _grouped(a, weight.shape[1], offsets, out_dtype or x.dtype,
-                    lambda rows, e: _fp8_mm(rows, weight[e], scale[e], tuple(block)))
+    bn, bk = block
+
+    def fused(ends: np.ndarray, out: np.ndarray) -> None:
+        _fp8_grouped_gemv(_np(weight), _np(scale), E4M3_TABLE, bn, bk, a.numpy(), ends, out)
+    return _grouped(a, weight.shape[1], offsets, out_dtype or x.dtype, fused,
+                    lambda rows, e: _fp8_mm(rows, weight[e], scale[e], (bn, bk)))
 
 
 def fp4_grouped_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offsets: torch.Tensor,
@@ -216,5 +392,8 @@ def fp4_grouped_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, o
                    act_group: int = ACT_GROUP) -> torch.Tensor:
     checks.check_fp4_gemm("fp4_grouped_mm", x, packed, scale, group, offsets, out_dtype, act_group)
     a = _activation(x, act_quant, act_group)
-    return _grouped(a, packed.shape[1], offsets, out_dtype or x.dtype,
+
+    def fused(ends: np.ndarray, out: np.ndarray) -> None:
+        _fp4_grouped_gemv(_np(packed), _np(scale), E2M1_PAIR_TABLE, group, a.numpy(), ends, out)
+    return _grouped(a, packed.shape[1], offsets, out_dtype or x.dtype, fused,
                     lambda rows, e: _fp4_mm(rows, packed[e], scale[e], group))

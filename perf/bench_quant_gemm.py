@@ -1,15 +1,19 @@
-"""Quantized-GEMM benchmark: the CPU path (tile decode + mm) vs dequantize-then-matmul.
+"""Quantized-GEMM benchmark: the CPU paths (fused row kernels, tile decode + mm) vs dequantize-then-matmul.
 
 One table per run, every ratio measured in that run. Columns, per op and activation rows M:
-- ``cpu ms``: kernels.* on CPU tensors (weights stay FP8 / packed FP4; act_quant on);
+- ``cpu ms``: kernels.* on CPU tensors (weights stay FP8 / packed FP4; act_quant on), which takes
+  the fused row kernels up to GEMV_MAX_ROWS rows (per expert) and the tiled path above;
+- ``tiled ms``: the same call forced onto the tiled path (decode a weight tile, torch sgemm);
+  ``fused/tiled`` is tiled / cpu where cpu took the fused kernels (the threshold's evidence);
 - ``deq+mm ms``: engine/weights.py's dequantize_fp8 / dequantize_fp4 of the whole weight, then
   an fp32 matmul (F.grouped_mm for the grouped op) of the fake-quantized activation: the same
   math with the dequantized weight materialised per call;
 - ``speedup``: deq+mm / cpu;
 - ``bf16 mm ms``: a bf16 matmul on a weight dequantized once beforehand (what the engine pays per
   call today, holding the whole weight in bf16: 2 bytes per element instead of 1 or 0.5).
-Times are medians of --repeats calls after one warm-up (which also compiles or loads numba's
-cache), with torch's and numba's default thread counts unless --threads is given. On a shared
+Times are medians of --repeats rounds after one warm-up (which also compiles or loads numba's
+cache); each round calls every variant once, in turn, so a busy neighbour slows them alike.
+torch's and numba's default thread counts unless --threads is given. On a shared
 machine a 2-thread parallel region stalls whenever either core is taken, so run it twice or
 with --threads 1.
 ``--gpu`` adds the Triton kernels vs a torch bf16 matmul on pre-dequantized weights (CUDA events).
@@ -19,7 +23,6 @@ Run from the repository root:
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -30,8 +33,8 @@ import torch.nn.functional as F
 
 import kernels
 from engine.weights import dequantize_fp4, dequantize_fp8
-from kernels import reference
-from perf.machine import cpu_model  # noqa: E402
+from kernels import cpu_quant_gemm, reference
+from perf.machine import header, set_cpu_threads  # noqa: E402
 
 # (name, kind, E, N, K, block or group): V4-Flash / V4.1-Flash-like projections, sized for a CPU.
 CASES = [
@@ -39,7 +42,34 @@ CASES = [
     ("fp8 2048x5120 32x32", "fp8", 0, 2048, 5120, (32, 32)),
     ("fp4 4096x4096 /32", "fp4", 0, 4096, 4096, 32),
     ("fp4 grouped 16x1024x2048", "fp4_grouped", 16, 1024, 2048, 32),
+    # the tiny V4 of perf/compare_peer.py (hidden 256): wq_b and one layer's routed experts
+    ("fp8 8192x256 128x128", "fp8", 0, 8192, 256, (128, 128)),
+    ("fp4 grouped 64x256x256", "fp4_grouped", 64, 256, 256, 32),
 ]
+
+
+def interleaved_medians(fns: list[Callable[[], object]], repeats: int) -> list[float]:
+    """Median seconds per call of each fn, the fns called in turn every round (after a warm-up)."""
+    for fn in fns:
+        fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, t in zip(fns, times):
+            t0 = time.perf_counter()
+            fn()
+            t.append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
+
+
+def tiled(fn: Callable[[], object]) -> Callable[[], object]:
+    """fn with the CPU kernels forced onto the tiled path."""
+    def run() -> object:
+        saved, cpu_quant_gemm.GEMV_MAX_ROWS = cpu_quant_gemm.GEMV_MAX_ROWS, 0
+        try:
+            return fn()
+        finally:
+            cpu_quant_gemm.GEMV_MAX_ROWS = saved
+    return run
 
 
 def median_s(fn: Callable[[], object], repeats: int, cuda: bool = False) -> float:
@@ -99,20 +129,29 @@ def cpu_fns(kind: str, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, q, off
             lambda: F.grouped_mm(x, w16, offs=offs))
 
 
+def takes_fused(m: int, offs: torch.Tensor | None) -> bool:
+    if offs is None:
+        return 0 < m <= cpu_quant_gemm.GEMV_MAX_ROWS
+    return m > 0 and int(torch.diff(offs, prepend=offs.new_zeros(1)).max()) <= cpu_quant_gemm.GEMV_MAX_ROWS
+
+
 def run_cpu(rows: list[int], repeats: int) -> None:
-    load = ", ".join(f"{v:.1f}" for v in os.getloadavg())
-    print(f"CPU: {cpu_model()}, {os.cpu_count()} cores, load average {load}; "
-          f"torch threads {torch.get_num_threads()}, numba threads {numba.get_num_threads()}")
-    print(f"{'case':26s} {'M':>5s} {'cpu ms':>9s} {'deq+mm ms':>10s} {'speedup':>8s} {'bf16 mm ms':>11s}")
+    print(header("bench_quant_gemm"))
+    print(f"torch threads {torch.get_num_threads()}, numba threads {numba.get_num_threads()}; "
+          f"fused up to GEMV_MAX_ROWS={cpu_quant_gemm.GEMV_MAX_ROWS} rows")
+    print(f"{'case':26s} {'M':>5s} {'cpu ms':>9s} {'tiled ms':>9s} {'fused/tiled':>11s} {'deq+mm ms':>10s} "
+          f"{'speedup':>8s} {'bf16 mm ms':>11s}")
     g = torch.Generator().manual_seed(0)
     for name, kind, e, n, k, q in CASES:
         w, s = make_weight(kind, e, n, k, q, g)
         for m in rows:
             x = torch.randn(m, k, generator=g).bfloat16()
             offs = offsets_for(m, e, g) if e else None
-            ours, baseline, bf16 = (median_s(fn, repeats) for fn in cpu_fns(kind, x, w, s, q, offs))
-            print(f"{name:26s} {m:5d} {ours * 1e3:9.2f} {baseline * 1e3:10.2f} {baseline / ours:7.1f}x "
-                  f"{bf16 * 1e3:11.2f}")
+            cpu, baseline, bf16 = cpu_fns(kind, x, w, s, q, offs)
+            ours, tiles, base, b16 = interleaved_medians([cpu, tiled(cpu), baseline, bf16], repeats)
+            gain = f"{tiles / ours:10.2f}x" if takes_fused(m, offs) else f"{'-':>11s}"
+            print(f"{name:26s} {m:5d} {ours * 1e3:9.3f} {tiles * 1e3:9.3f} {gain} {base * 1e3:10.2f} "
+                  f"{base / ours:7.1f}x {b16 * 1e3:11.3f}")
 
 
 def run_gpu(rows: list[int], repeats: int) -> None:
@@ -142,15 +181,14 @@ def run_gpu(rows: list[int], repeats: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--rows", default="1,16,256", help="comma-separated activation row counts M")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--rows", default="1,4,16,32,256", help="comma-separated activation row counts M")
     parser.add_argument("--gpu", action="store_true", help="also time the Triton kernels (needs CUDA)")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch and numba threads (default: theirs); 1 is steadier on a busy machine")
     args = parser.parse_args()
     if args.threads:
-        numba.set_num_threads(args.threads)     # first: starting numba's OpenMP pool resets torch's count
-        torch.set_num_threads(args.threads)
+        set_cpu_threads(args.threads)
     rows = [int(r) for r in args.rows.split(",")]
     run_cpu(rows, args.repeats)
     if args.gpu:

@@ -32,10 +32,20 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
                                                             b.masked_fill(nan, 0).view(torch.int32))
 
 
-@pytest.fixture(params=["cpu", "triton"])
-def impl(request):
-    """The op set under test: kernels.* on CPU tensors, or the Triton module (interpreted)."""
-    if request.param == "cpu":
+@pytest.fixture(params=["fused", "tiled"])
+def cpu_path(request, monkeypatch):
+    """Both CPU paths: the fused row kernels (taken up to GEMV_MAX_ROWS rows) and the tiled
+    decode + sgemm path (taken above), forced by moving the threshold."""
+    monkeypatch.setattr(cpu_quant_gemm, "GEMV_MAX_ROWS", 1 << 30 if request.param == "fused" else 0)
+    return request.param
+
+
+@pytest.fixture(params=["cpu-fused", "cpu-tiled", "triton"])
+def impl(request, monkeypatch):
+    """The op set under test: kernels.* on CPU tensors (either CPU path), or the Triton module
+    (interpreted)."""
+    if request.param.startswith("cpu"):
+        monkeypatch.setattr(cpu_quant_gemm, "GEMV_MAX_ROWS", 1 << 30 if request.param == "cpu-fused" else 0)
         return kernels
     return pytest.importorskip("kernels.triton.quant_gemm")
 
@@ -157,6 +167,7 @@ def _check_fp8(impl, m, n, k, block, act_quant, scale_dtype, x_dtype, out_dtype,
     assert_gemm_close(out, ref, abs_gemm(x, reference.dequantize_fp8_weight(w, s, block), act_quant), k)
 
 
+@pytest.mark.usefixtures("cpu_path")
 @pytest.mark.parametrize("m,n,k,block", CPU_FP8_CASES)
 @pytest.mark.parametrize("act_quant", [False, True])
 @pytest.mark.parametrize("scale_dtype", SCALE_DTYPES)
@@ -164,6 +175,7 @@ def test_cpu_fp8_linear_matches_reference(m, n, k, block, act_quant, scale_dtype
     _check_fp8(kernels, m, n, k, block, act_quant, scale_dtype, torch.float32, torch.float32, m + n)
 
 
+@pytest.mark.usefixtures("cpu_path")
 @pytest.mark.parametrize("x_dtype,out_dtype", [(torch.bfloat16, None), (torch.float16, torch.bfloat16),
                                                (torch.bfloat16, torch.float16)])
 def test_cpu_fp8_linear_dtypes(x_dtype, out_dtype):
@@ -171,6 +183,7 @@ def test_cpu_fp8_linear_dtypes(x_dtype, out_dtype):
 
 
 def test_cpu_path_tiles_cover_every_row(monkeypatch):
+    monkeypatch.setattr(cpu_quant_gemm, "GEMV_MAX_ROWS", 0)
     monkeypatch.setattr(cpu_quant_gemm, "TILE_BYTES", 1)          # one scale block (or one row) per tile
     _check_fp8(kernels, 4, 40, 100, (16, 32), False, torch.uint8, torch.float32, torch.float32, 8)
     g = gen(9)
@@ -179,6 +192,24 @@ def test_cpu_path_tiles_cover_every_row(monkeypatch):
     assert_gemm_close(kernels.fp4_linear(x, p, s), reference.fp4_linear(x, p, s),
                       abs_gemm(x, reference.dequantize_fp4_weight(p, s), False), 64)
 
+
+
+def test_cpu_rows_up_to_the_threshold_take_the_fused_kernels(monkeypatch):
+    """Decode-sized calls (<= GEMV_MAX_ROWS rows, per expert for the grouped ops) never decode a
+    weight tile; one row more switches to the tiled path. Both sides match the reference."""
+    m = cpu_quant_gemm.GEMV_MAX_ROWS
+    tiled_calls = []
+    real_tiled = cpu_quant_gemm._tiled_mm
+    monkeypatch.setattr(cpu_quant_gemm, "_tiled_mm", lambda *a: tiled_calls.append(a[0].shape[0]) or real_tiled(*a))
+    for rows in (m, m + 1):
+        _check_fp8(kernels, rows, 40, 100, (16, 32), True, torch.uint8, torch.float32, torch.float32, rows)
+        _check_fp4(kernels, rows, 33, 96, False, torch.uint8, torch.float32, torch.float32, rows)
+    assert tiled_calls == [m + 1, m + 1]
+    tiled_calls.clear()
+    _check_grouped(kernels, True, [m, m, 2 * m], 2 * m, 64, act_quant=False, seed=20)      # m rows per expert
+    assert tiled_calls == []
+    _check_grouped(kernels, False, [1, m + 2, m + 3], m + 3, 64, act_quant=True, seed=21)  # one expert above
+    assert tiled_calls == [m + 1]                  # only that expert; the others stay fused
 
 @triton_interpreted
 @pytest.mark.parametrize("m,n,k,block", TRITON_FP8_CASES)
@@ -204,6 +235,7 @@ def _check_fp4(impl, m, n, k, act_quant, scale_dtype, x_dtype, out_dtype, seed):
     assert_gemm_close(out, ref, abs_gemm(x, reference.dequantize_fp4_weight(p, s), act_quant), k)
 
 
+@pytest.mark.usefixtures("cpu_path")
 @pytest.mark.parametrize("m,n,k", [(5, 40, 96), (1, 256, 512), (17, 33, 80), (0, 8, 64)])
 @pytest.mark.parametrize("act_quant", [False, True])
 @pytest.mark.parametrize("scale_dtype", SCALE_DTYPES)
@@ -211,6 +243,7 @@ def test_cpu_fp4_linear_matches_reference(m, n, k, act_quant, scale_dtype):
     _check_fp4(kernels, m, n, k, act_quant, scale_dtype, torch.float32, torch.float32, m + k)
 
 
+@pytest.mark.usefixtures("cpu_path")
 def test_cpu_fp4_linear_bf16():
     _check_fp4(kernels, 6, 24, 64, True, torch.float8_e8m0fnu, torch.bfloat16, None, 12)
 
@@ -292,6 +325,7 @@ def test_fp4_edge_values(impl):
     assert torch.equal(torch.isnan(out), nan)
 
 
+@pytest.mark.usefixtures("cpu_path")
 def test_overflowing_scale_follows_ieee():
     x = torch.ones(2, 32)
     x[1, 0] = -1.0
@@ -330,6 +364,7 @@ def _check_grouped(impl, fp4: bool, offsets: list[int], s_rows: int, k: int, act
     return out
 
 
+@pytest.mark.usefixtures("cpu_path")
 @pytest.mark.parametrize("offsets", OFFSETS)
 @pytest.mark.parametrize("fp4", [False, True])
 def test_cpu_grouped_matches_reference(offsets, fp4):
@@ -360,6 +395,7 @@ def test_grouped_nan_scale_stays_in_its_expert(impl, fp4):
     assert not torch.isnan(out[:3]).any() and not torch.isnan(out[3:9, cols:]).any()
 
 
+@pytest.mark.usefixtures("cpu_path")
 def test_grouped_zero_rows():
     p, s = fp4_weight((2, 8, 64), 32, gen(17))
     out = kernels.fp4_grouped_mm(torch.zeros(0, 64), p, s, torch.zeros(2, dtype=torch.int32))
