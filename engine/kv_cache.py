@@ -71,10 +71,26 @@ class PoolRef:
 
 
 class _Slots:
-    """Position → slot arithmetic for one sequence's block table."""
+    """Position → slot arithmetic for one sequence's block table.
+
+    Every layer of a step asks for the same ranges, so the slot tensors are memoised, keyed by
+    the range and the block ids it covers (a key that changes whenever the table does, so an
+    entry is never stale): a step builds each range's tensor once, not once per layer (on a GPU
+    each build is a host→device copy). At most MEMO_SIZE entries are kept, oldest dropped first."""
+
+    MEMO_SIZE = 16
 
     def __init__(self, table: BlockTable, block_size: int, device):
         self.table, self.block_size, self.device = table, block_size, device
+        self._memo: dict[tuple, torch.Tensor] = {}
+
+    def _memoised(self, key: tuple, build) -> torch.Tensor:
+        slots = self._memo.get(key)
+        if slots is None:
+            if len(self._memo) >= self.MEMO_SIZE:
+                del self._memo[next(iter(self._memo))]
+            slots = self._memo[key] = build()
+        return slots
 
     def sliding(self, start: int, end: int) -> torch.Tensor:
         b = self.block_size
@@ -82,15 +98,24 @@ class _Slots:
             return torch.empty(0, dtype=torch.long, device=self.device)
         first = start // b - self.table.sliding_first
         assert first >= 0, "reading a sliding block that was already released"
-        ids = torch.tensor(self.table.sliding[first : (end - 1) // b + 1 - self.table.sliding_first], device=self.device)
-        pos = torch.arange(start, end, device=self.device)
-        return ids[pos // b - start // b] * b + pos % b
+        ids = tuple(self.table.sliding[first : (end - 1) // b + 1 - self.table.sliding_first])
+
+        def build() -> torch.Tensor:
+            pos = torch.arange(start, end, device=self.device)
+            return torch.tensor(ids, dtype=torch.long, device=self.device)[pos // b - start // b] * b + pos % b
+        return self._memoised(("sliding", start, end, ids), build)
 
     def full(self, first_entry: int, end_entry: int, tokens_per_record: int) -> torch.Tensor:
         per_block = self.block_size // tokens_per_record
-        ids = torch.tensor(self.table.full, dtype=torch.long, device=self.device)
-        w = torch.arange(first_entry, end_entry, device=self.device)
-        return ids[w // per_block] * per_block + w % per_block
+        if end_entry <= first_entry:
+            return torch.empty(0, dtype=torch.long, device=self.device)
+        lo = first_entry // per_block
+        ids = tuple(self.table.full[lo : (end_entry - 1) // per_block + 1])
+
+        def build() -> torch.Tensor:
+            w = torch.arange(first_entry, end_entry, device=self.device)
+            return torch.tensor(ids, dtype=torch.long, device=self.device)[w // per_block - lo] * per_block + w % per_block
+        return self._memoised(("full", first_entry, end_entry, per_block, ids), build)
 
 
 class PagedRows:
