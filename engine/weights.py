@@ -328,8 +328,12 @@ class _Filler:
     """Copies checkpoint tensors into an allocated model and keeps the books: what was filled,
     which expert rows, which checkpoint tensors were consumed (read or deliberately skipped)."""
 
-    def __init__(self, model: DeepseekV4, ckpt: _Checkpoint):
+    def __init__(self, model: DeepseekV4, ckpt: _Checkpoint, adopt: frozenset[str] = frozenset()):
+        """adopt: paths of quantized CPU containers whose stored tensors become their parameters
+        as read, with no copy. safetensors maps the file, so those parameters are the page cache's
+        pages, shared by every process on the host that loads the same file (read-only use)."""
         self.model, self.ckpt, self.cfg = model, ckpt, model.cfg
+        self.adopt = adopt
         self.params = dict(list(model.named_parameters()) + list(model.named_buffers()))
         self.filled: set[str] = set()
         self.expert_parts: dict[tuple[int, int], set[str]] = {}  # (id of the stack, slot) → parts
@@ -362,7 +366,10 @@ class _Filler:
         value, scale = self._read(name)
         if target.internal in self.filled:
             raise WeightLoadError(f"tensor {name}: parameter {target.internal} filled twice")
-        if container is not None and container.fmt.quantized:
+        adopt = target.internal.rpartition(".")[0] in self.adopt
+        if container is not None and container.fmt.quantized and adopt and self._adoptable(container, value, scale):
+            self._adopt_quantized(container, value, scale)
+        elif container is not None and container.fmt.quantized:
             self._store_quantized(name, container, (), value, scale)
         else:
             self._store_dense(name, self.params[target.internal], value, scale)
@@ -388,6 +395,17 @@ class _Filler:
             raise WeightLoadError(f"tensor {name}: scale shape {tuple(scale.shape)}, expected {tuple(sdst.shape)}")
         dst.copy_(value)
         sdst.copy_(scale)
+
+    @staticmethod
+    def _adoptable(w: QuantWeight, value: torch.Tensor, scale: torch.Tensor | None) -> bool:
+        """The stored tensors can stand as w's parameters: same dtypes and shapes, on the CPU."""
+        return (scale is not None and w.weight.device.type == "cpu" and value.dtype == w.weight.dtype
+                and scale.dtype == w.scale.dtype and value.shape == w.weight.shape and scale.shape == w.scale.shape)
+
+    @staticmethod
+    def _adopt_quantized(w: QuantWeight, value: torch.Tensor, scale: torch.Tensor) -> None:
+        w.weight = nn.Parameter(value, requires_grad=False)
+        w.scale = nn.Parameter(scale, requires_grad=False)
 
     def _fill_experts(self, name: str, target: Target, w: GroupedWeight) -> None:
         experts: RoutedExperts = self.model.get_submodule(target.internal.rsplit(".", 2)[0])
@@ -457,12 +475,13 @@ class _Filler:
 
 def load_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
                progress: bool = True, load_mtp: bool = True, weight_dtype: str = "auto",
-               experts: dict[int, list[int]] | None = None) -> DeepseekV4:
+               experts: dict[int, list[int]] | None = None, engram_tables: str = "device") -> DeepseekV4:
     """Build the model described by `model_dir/config.json` and fill it from its safetensors.
 
     dtype: the compute dtype. weight_dtype: 'auto' keeps FP8/FP4 weights as stored, 'bf16'
     decodes them into `dtype` (the upcast). experts: MoE layer id → the logical experts this
-    rank holds (see `build_model`); None holds all."""
+    rank holds (see `build_model`); None holds all. engram_tables: where a V4.1 model keeps its
+    Engram tables, 'device' or 'host' (V4 has none)."""
     if weight_dtype not in WEIGHT_DTYPES:
         raise ValueError(f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {weight_dtype!r}")
     model_dir = Path(model_dir)
@@ -470,7 +489,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloat16, devic
     if cfg.arch == "v41":  # DeepSeek-V4.1: its own model (bf16 activations by definition) and names
         from .v41.weights import load_v41
 
-        return load_v41(model_dir, device, progress, load_mtp, weight_dtype, experts)
+        return load_v41(model_dir, device, progress, load_mtp, weight_dtype, experts, engram_tables)
     ckpt = _Checkpoint(shard_files(model_dir))
     layout = detect_layout(list(ckpt.location))
     has_mtp = any(n.startswith("mtp.") for n in ckpt.location)

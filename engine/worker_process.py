@@ -129,7 +129,7 @@ def _load(model_dir: str, config: EngineConfig, parallel: ParallelConfig, device
     resolved = config.resolved()
     load_mtp = bool(resolved.speculative_tokens)
     kwargs = dict(dtype=default_dtype(config, device), device=device, progress=False, load_mtp=load_mtp,
-                  weight_dtype=config.weight_dtype)
+                  weight_dtype=config.weight_dtype, engram_tables=config.engram_tables)
     if group is None:
         return load_model(model_dir, **kwargs), None
     cfg = ModelConfig.from_model_dir(model_dir)

@@ -57,6 +57,8 @@ def add_memory_report_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--block-size", type=int, default=256, help="tokens per KV block")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step (sizes the window pools)")
     p.add_argument("--no-mtp", dest="mtp", action="store_false", help="leave out the MTP layer (no speculation)")
+    p.add_argument("--engram-tables", choices=["device", "host"], default="device",
+                   help="V4.1: Engram tables on the GPU, or in host memory (as `serve --engram-tables host`)")
     p.add_argument("--json", action="store_true", help="one JSON object")
     p.set_defaults(func=run)
 
@@ -116,6 +118,19 @@ def _weights_by_kind(model) -> dict[str, dict[str, int]]:
             row["params"] += logical.get(name, t.numel())
     if not out["Engram"]["bytes"]:
         del out["Engram"]  # V4 has none
+    return out
+
+
+def _engram_tables(model) -> dict[str, int]:
+    """{'bytes', 'params'} of the Engram tables (`engram.embed`, scales included): what
+    `--engram-tables host` keeps in host memory."""
+    from engine.linear import QuantWeight
+
+    out = {"bytes": 0, "params": 0}
+    for path, m in model.named_modules():
+        if path.endswith(".engram.embed"):
+            out["bytes"] += sum(t.numel() * t.element_size() for t in m.parameters())
+            out["params"] += m.num_params if isinstance(m, QuantWeight) else m.weight.numel()
     return out
 
 
@@ -246,7 +261,7 @@ def memory_report(model: str, data_parallel_size: int = 1, enable_expert_paralle
                   num_redundant_experts: int = 0, gpu_memory_gib: float = 141.0,
                   reserve_gib: float = DEFAULT_RESERVE_GIB, kv_dtype: str = "fp8", context: int = 131072,
                   weight_dtype: str = "auto", block_size: int = 256, max_num_batched_tokens: int = 2048,
-                  mtp: bool = True) -> dict:
+                  mtp: bool = True, engram_tables: str = "device") -> dict:
     """The report as a dict (what --json prints)."""
     if data_parallel_size < 1:
         raise ValueError("--data-parallel-size must be ≥ 1")
@@ -258,6 +273,9 @@ def memory_report(model: str, data_parallel_size: int = 1, enable_expert_paralle
     cfg, meta = build_rank_model(source, data_parallel_size, enable_expert_parallel, num_redundant_experts,
                                  weight_dtype, mtp)
     kinds = _weights_by_kind(meta)
+    host = _engram_tables(meta) if engram_tables == "host" else {"bytes": 0, "params": 0}
+    if host["bytes"]:  # the Engram row keeps only what stays on the GPU (wkv, gate weights)
+        kinds["Engram"] = {k: kinds["Engram"][k] - host[k] for k in ("bytes", "params")}
     weights = sum(k["bytes"] for k in kinds.values())
     gpu, reserve = int(gpu_memory_gib * GIB), int(reserve_gib * GIB)
     budget = gpu - weights - reserve
@@ -269,7 +287,8 @@ def memory_report(model: str, data_parallel_size: int = 1, enable_expert_paralle
         "weight_dtype": weight_dtype, "kv_dtype": kv_dtype, "mtp": bool(len(meta.mtp)),
         "routed_experts_per_layer": local, "n_routed_experts": cfg.n_routed_experts,
         "gpu_bytes": gpu, "reserve_bytes": reserve, "weights": kinds, "weight_bytes": weights,
-        "parameters_on_rank": sum(k["params"] for k in kinds.values()),
+        "parameters_on_rank": sum(k["params"] for k in kinds.values()) + host["params"],
+        "engram_tables": engram_tables, "host_bytes": host["bytes"], "host_params": host["params"],
         "kv_budget_bytes": budget, "fits": budget > 0, "context": context, "block_size": block_size,
         "sequences": seqs, "kv_pool_bytes": cache.nbytes if cache is not None else 0,
         "kv_full_blocks": cache.manager.full.num_blocks if cache is not None else 0,
@@ -279,7 +298,8 @@ def memory_report(model: str, data_parallel_size: int = 1, enable_expert_paralle
 def run(args: argparse.Namespace) -> int:
     report = memory_report(args.model, args.data_parallel_size, args.enable_expert_parallel,
                            args.num_redundant_experts, args.gpu_memory_gib, args.reserve_gib, args.kv_dtype,
-                           args.context, args.weight_dtype, args.block_size, args.max_num_batched_tokens, args.mtp)
+                           args.context, args.weight_dtype, args.block_size, args.max_num_batched_tokens, args.mtp,
+                           args.engram_tables)
     if args.json:
         print(json.dumps(report))
         return 0
@@ -302,6 +322,9 @@ def render(r: dict) -> str:
               f"{'reserve':22} {'':>10} {r['reserve_bytes'] / GIB:9.2f}   (CUDA context, comm buffers, graphs, "
               f"activations)",
               f"{'GPU':22} {'':>10} {r['gpu_bytes'] / GIB:9.2f}"]
+    if r.get("host_bytes"):
+        lines.append(f"{'Engram tables (host)':22} {r['host_params'] / 1e9:9.3f}B {r['host_bytes'] / GIB:9.2f}   "
+                     f"(host memory, not in the GPU's weights)")
     if not r["fits"]:
         lines.append(f"does not fit: weights + reserve exceed the GPU by {-r['kv_budget_bytes'] / GIB:.2f} GiB")
         return "\n".join(lines)

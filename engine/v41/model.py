@@ -113,7 +113,13 @@ class Engram(nn.Module):
         self.k_weight = nn.Parameter(torch.empty(n, d, dtype=torch.bfloat16), requires_grad=False)
 
     def lookup(self, hash_ids: torch.Tensor) -> torch.Tensor:
-        """[T, cols] row ids → bf16 rows [T, cols, head_dim] (dequantized on lookup)."""
+        """[T, cols] row ids → bf16 rows [T, cols, head_dim] (dequantized on lookup) on the
+        device of wkv. The gather runs where the table lives: with the tables in host memory
+        (`--engram-tables host`) only the rows read cross to the device."""
+        rows = self._gather(hash_ids.to(self.embed.weight.device))
+        return rows.to(self.wkv.weight.device, non_blocking=True)
+
+    def _gather(self, hash_ids: torch.Tensor) -> torch.Tensor:
         e = self.embed
         if not e.fmt.quantized:
             return e.weight[hash_ids].to(torch.bfloat16)
@@ -121,7 +127,8 @@ class Engram(nn.Module):
         scale = e.scale[hash_ids].view(torch.uint8)
         values = torch.ldexp(torch.ones(scale.shape, device=scale.device), scale.to(torch.int32) - 127)
         values = torch.where(scale == 255, float("nan"), values).repeat_interleave(e.fmt.block[1], dim=-1)
-        return (codes * values).to(torch.bfloat16)
+        rows = (codes * values).to(torch.bfloat16)
+        return rows.pin_memory() if rows.device.type == "cpu" and torch.cuda.is_available() else rows
 
     def forward(self, stream: torch.Tensor, hash_ids: torch.Tensor, chunks: list[Chunk]) -> torch.Tensor:
         cfg = self.cfg
@@ -206,7 +213,8 @@ class V41Model(nn.Module):
             return self._forward(token_ids, chunks)
 
     def _hash_ids(self, token_ids: torch.Tensor, chunks: list[Chunk]) -> torch.Tensor | None:
-        """[T, n_engram_layers, cols] hash ids; records each chunk's compressed ids by position."""
+        """[T, n_engram_layers, cols] hash ids on the host (each Engram layer moves its column to
+        its table); records each chunk's compressed ids by position."""
         if self.hasher is None:
             return None
         parts = []
@@ -215,7 +223,7 @@ class V41Model(nn.Module):
             hist = c.seq.engram
             parts.append(self.hasher.hash_ids(hist.look_back(c.start, self.hasher.lookback), ids))
             hist.write(c.start, ids)
-        return torch.cat(parts).to(self.device)
+        return torch.cat(parts)
 
     def _forward(self, token_ids: torch.Tensor, chunks: list[Chunk]) -> ForwardOut:
         cfg, v = self.cfg, self.cfg.v41

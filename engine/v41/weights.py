@@ -9,7 +9,8 @@ experts), FP8 Engram tables with one E8M0 scale per row per 32, BF16 / F32 the r
 `weight_dtype='auto'` keeps FP8/FP4 as stored; 'bf16' decodes them at load (exactly: every
 stored value fits bf16). With `experts` (expert parallelism: engine/expert_parallel.py
 `experts_to_load`), each listed MoE layer holds only those logical experts, read alone from the
-shards; unlisted layers (the DSpark stages) hold all of theirs.
+shards; unlisted layers (the DSpark stages) hold all of theirs. With `engram_tables='host'` the
+Engram tables are allocated and filled in CPU memory, never on the device.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..config import WEIGHT_DTYPES, ConfigError, ModelConfig
+from ..config import ENGRAM_TABLES, WEIGHT_DTYPES, ConfigError, ModelConfig
 from ..linear import GroupedWeight, QuantWeight
 from ..weight_names import v41_target_of
 from ..weights import WeightLoadError, _Checkpoint, _Filler, _is_scale, shard_files, stored_formats
@@ -72,10 +73,26 @@ def model_shards(model_dir: Path) -> list[Path]:
     return shard_files(model_dir)
 
 
+def _materialize(model: V41Model, device: str, engram_tables: str) -> None:
+    """Allocate every tensor on `device`; with engram_tables 'host' the Engram tables on the CPU
+    instead, never on the device (the released tables alone exceed one GPU)."""
+    if engram_tables == "device":
+        model.to_empty(device=device)
+        return
+    parents = [block.engram for block in model.layers if getattr(block, "engram", None) is not None]
+    tables = [parent._modules.pop("embed") for parent in parents]  # out of the device allocation
+    model.to_empty(device=device)
+    for parent, table in zip(parents, tables):
+        parent.embed = table.to_empty(device="cpu")
+
+
 def load_v41(model_dir: str | Path, device: str = "cpu", progress: bool = False, load_mtp: bool = True,
-             weight_dtype: str = "auto", experts: dict[int, list[int]] | None = None) -> V41Model:
+             weight_dtype: str = "auto", experts: dict[int, list[int]] | None = None,
+             engram_tables: str = "device") -> V41Model:
     if weight_dtype not in WEIGHT_DTYPES:
         raise ValueError(f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {weight_dtype!r}")
+    if engram_tables not in ENGRAM_TABLES:
+        raise ValueError(f"engram_tables must be one of {', '.join(ENGRAM_TABLES)}, got {engram_tables!r}")
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_model_dir(model_dir)
     ckpt = _Checkpoint(model_shards(model_dir))
@@ -90,8 +107,11 @@ def load_v41(model_dir: str | Path, device: str = "cpu", progress: bool = False,
         for layer, moe in moe_layers(model):
             if layer in experts:
                 moe.experts.select(experts[layer])
-    model.to_empty(device=device)
-    filler = _Filler(model, ckpt)
+    _materialize(model, device, engram_tables)
+    # Host tables are the checkpoint's own mapped pages: the ranks of a node share one copy.
+    tables = frozenset(p for p, _ in model.named_modules() if p.endswith(".engram.embed")) \
+        if engram_tables == "host" else frozenset()
+    filler = _Filler(model, ckpt, adopt=tables)
     with torch.no_grad():
         for name, target in targets.items():
             filler.fill(name, target)

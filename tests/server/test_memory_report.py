@@ -19,7 +19,7 @@ from pathlib import Path
 
 from engine.checkpoint import preset_config, quantization_config
 from engine.weights import build_model
-from server.memory_report import kind_of, memory_report
+from server.memory_report import kind_of, memory_report, render
 
 V41_RELEASE = Path(__file__).resolve().parents[2] / ".." / "shared" / "golden" / "deepseek-v4.1" / "release-config.json"
 
@@ -261,3 +261,48 @@ def test_released_v41_flash_totals_match_model_spec():
     assert ep["routed_experts_per_layer"] == (384 + 32) // 8
     assert ep["weights"]["MTP"] == whole["weights"]["MTP"]  # DSpark stages whole on every rank
     assert ep["weight_bytes"] + ep["reserve_bytes"] + ep["kv_budget_bytes"] == ep["gpu_bytes"]
+
+
+def test_v41_engram_tables_on_the_host_leave_the_gpu(v41_tiny):
+    """With --engram-tables host the report's GPU weights are what a host-tables load puts
+    outside the CPU-side tables: every kind equals the device report but Engram, which keeps
+    only its projections; the tables' bytes are listed as host memory."""
+    from engine.v41.weights import load_v41
+
+    ckpt, _ = v41_tiny
+    args = dict(gpu_memory_gib=0.05, reserve_gib=0.0, kv_dtype="bf16", context=256, block_size=16)
+    device = memory_report(str(ckpt), **args)
+    host = memory_report(str(ckpt), engram_tables="host", **args)
+    model = load_v41(ckpt, engram_tables="host")
+    tables = [b.engram.embed for b in model.layers if getattr(b, "engram", None) is not None]
+    table_bytes = sum(t.numel() * t.element_size() for m in tables for t in m.parameters())
+    assert tables and host["host_bytes"] == table_bytes > 0
+    assert host["weights"]["Engram"]["bytes"] == device["weights"]["Engram"]["bytes"] - table_bytes
+    assert {k: r for k, r in host["weights"].items() if k != "Engram"} == \
+           {k: r for k, r in device["weights"].items() if k != "Engram"}
+    assert host["kv_budget_bytes"] == device["kv_budget_bytes"] + table_bytes
+    assert host["parameters_on_rank"] == device["parameters_on_rank"]
+
+
+def test_released_v41_flash_fits_8_h200_with_host_engram_tables():
+    """The Engram tables (189 GiB in FP8) make every 8×H200 setup fail; in host memory the
+    expert-parallel ranks keep tens of GiB of KV."""
+    if not V41_RELEASE.exists():
+        pytest.skip(f"V4.1 release config not found at {V41_RELEASE}")
+    on_gpu = memory_report(str(V41_RELEASE), 8, True, gpu_memory_gib=141.0)
+    off = memory_report(str(V41_RELEASE), 8, True, gpu_memory_gib=141.0, engram_tables="host")
+    assert not on_gpu["fits"] and off["fits"] and off["sequences"] > 0
+    assert 188 * 2**30 < off["host_bytes"] < 190 * 2**30
+    assert off["weight_bytes"] + off["host_bytes"] == on_gpu["weight_bytes"]
+    assert "Engram tables (host)" in render(off)
+
+
+def test_engram_tables_flag_reaches_the_engine_config():
+    from engine.config import ConfigError, EngineConfig
+    from server.cli import build_parser, engine_config_from
+
+    args = build_parser().parse_args(["generate", "--prompt", "hi", "--engram-tables", "host"])
+    assert engine_config_from(args).engram_tables == "host"
+    assert EngineConfig.from_json(EngineConfig(engram_tables="host").to_json()).engram_tables == "host"
+    with pytest.raises(ConfigError, match="--engram-tables"):
+        EngineConfig(engram_tables="disk")

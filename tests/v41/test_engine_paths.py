@@ -18,6 +18,8 @@ import torch
 from engine.v41.attention import Chunk
 from engine.v41.checkpoint import write_v41_checkpoint
 from engine.v41.kv_cache import V41KVCache
+from engine.v41.numerics import Numerics
+from engine.weights import load_model
 from tests.v41.engine_helpers import load, run_engine
 from tests.v41.ref_attention import RefOptions
 from tests.v41.ref_generate import greedy_generate
@@ -155,3 +157,36 @@ def test_decoder_tail_never_reads_window_rows_it_did_not_compute(model, prompts)
         model.tail_rows = None
     assert torch.isfinite(outs[1]).all()
     assert torch.equal(outs[0], outs[1])
+
+
+def test_engram_tables_in_host_memory(tiny, prompts, expected):
+    """--engram-tables host: the tables are allocated on the host, never on the model's device
+    (checked on the meta device, which allocates nothing), and the engine's tokens and logprobs
+    still equal the plain reference's."""
+    from engine.config import ModelConfig
+    from engine.v41.weights import _materialize, build_v41
+
+    meta = build_v41(ModelConfig.from_model_dir(tiny), with_dspark=False)
+    _materialize(meta, "meta", "host")
+    tables = {f"{p}.{n}" for p, m in meta.named_modules() if p.endswith(".engram.embed")
+              for n, _ in m.named_parameters()}
+    assert tables and all((t.device.type == "cpu") == (name in tables)
+                          for name, t in list(meta.named_parameters()) + list(meta.named_buffers()))
+    host = load_model(tiny, progress=False, engram_tables="host")
+    for block in host.layers:  # the tables are the checkpoint file's mapped pages, not copies
+        if getattr(block, "engram", None) is not None:
+            for t in (block.engram.embed.weight, block.engram.embed.scale):
+                assert _mapped_file(t.data_ptr()).endswith(".safetensors")
+    host.numerics = Numerics(row_independent=True)
+    assert_same(run_engine(host, prompts, MAX_TOKENS), expected)
+
+
+def _mapped_file(address: int) -> str:
+    """The file mapped at `address` in this process ('' for anonymous memory), from /proc."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo <= address < hi:
+                return fields[5] if len(fields) > 5 else ""
+    return ""
