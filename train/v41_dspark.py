@@ -26,7 +26,6 @@ import torch.nn.functional as F
 from engine.v41 import numerics as nx
 from engine.v41.model import identity_pre
 
-from . import v41_numerics as tq
 from .v41_model import Ctx, block, new_ctx, output, project_q, window_rows
 
 

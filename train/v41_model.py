@@ -24,7 +24,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.v41 import numerics as nx
@@ -199,7 +198,7 @@ def output(ctx: Ctx, p: str, o: torch.Tensor, rot: torch.Tensor) -> torch.Tensor
 
 def _publish(ctx: Ctx, layer: int, x: torch.Tensor) -> None:
     """A KV source's compressed entries and index keys of every complete group, per sequence."""
-    cfg, w, ratio = ctx.cfg, ctx.w, cfg_ratio(ctx.cfg, layer)
+    w, ratio = ctx.w, cfg_ratio(ctx.cfg, layer)
     p, b, L, d = f"layers.{layer}.attn", ctx.batch, ctx.length, ctx.cfg.head_dim
     if ratio == 1:
         latents = ctx.norm(nx.bf16_gemm(x, w[f"{p}.compressor.wkv.weight"]), f"{p}.compressor.norm.weight")

@@ -91,7 +91,8 @@ def train(model: v41.Model, data: recipe.Data, args: argparse.Namespace, log, wo
             log(last)
             recent = []
         if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0 and step + 1 < args.steps:
-            resume.save(state_path, params, empty, opt, gen, resume.State(step + 1, time.perf_counter() - t0, recent), fp)
+            saved = resume.State(step + 1, time.perf_counter() - t0, recent)
+            resume.save(state_path, params, empty, opt, gen, saved, fp)
     return last
 
 
