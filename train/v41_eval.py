@@ -25,8 +25,8 @@ _BLOCK = 16
 
 
 def _sequence(engine_model, length: int):
-    blocks = 2 * (length // _BLOCK + 2) * max(1, len(engine_model.cfg.v41.kv_source_layers))
-    cache = V41KVCache.for_model(engine_model, "auto", 1, max(length, 64), num_full_blocks=blocks + 8,
+    # one sequence: its positions' blocks plus the block manager's slack
+    cache = V41KVCache.for_model(engine_model, "auto", 1, max(length, 64), num_full_blocks=length // _BLOCK + 16,
                                  block_size=_BLOCK)
     seq = cache.new_sequence()
     cache.allocate(seq, 0, length)
