@@ -70,7 +70,7 @@ def test_engine_dspark_drafts_equal_the_training_models(trained, engine_model):
         want, want_conf = v41_dspark.greedy_draft(model.cfg, w, main, ids[length])
         got, got_conf = v41_eval.engine_draft(engine_model, prefix, ids[length])
         assert got == want and len(got) == model.cfg.v41.dspark_block_size
-        assert (got_conf - want_conf).abs().max().item() <= 1e-4
+        assert torch.equal(got_conf, want_conf)  # one anchor: the engine's shapes, so its bits
 
 
 def test_a_few_steps_lower_the_loss_on_a_fixed_batch(trained):
