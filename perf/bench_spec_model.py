@@ -1,5 +1,12 @@
 """MTP speculation on a real model (default: the built-in): acceptance and tokens/s at batch 1 and 8.
 
+A DeepSeek-V4.1 directory (e.g. `ringserve train-builtin DIR --arch v41`) is measured the same
+way with its DSpark drafter in place of the MTP layer (k at most its block size; V4.1 computes
+in its own bf16 numerics whatever the dtype). `--v41-numerics` picks the engine's mode:
+row-independent (default here: decode and verification then agree bit for bit, so greedy output
+cannot change) or reference (what serving uses: a verified chunk's fp32 GEMMs see more rows than
+a decode's, so a near-tie can resolve differently and the check below may fail).
+
 perf/bench_spec.py measures the mechanism on random weights, whose drafts fail; this runs the
 measurement on a trained checkpoint and text prompts (consecutive windows of a held-out text),
 for each k, with all k drafts verified every step ('fixed', so per-position acceptance is
@@ -81,14 +88,22 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3, help="runs per configuration (median tok/s)")
+    parser.add_argument("--v41-numerics", choices=["row-independent", "reference"], default="row-independent",
+                        help="V4.1 only: the engine's numerics mode (engine/v41/numerics.py)")
     args = parser.parse_args()
     print(header("bench_spec_model"), flush=True)
     set_cpu_threads(args.threads)
     model_dir = Path(args.model_dir) if args.model_dir else builtin_model_dir()
     model = load_model(model_dir, dtype=torch.float32, progress=False)
+    v41 = getattr(model.cfg, "arch", "v4") == "v41"
+    drafter, numerics = ("DSpark", f"V4.1 {args.v41_numerics} numerics") if v41 else ("MTP", "fp32")
+    if v41:
+        from engine.v41.numerics import Numerics
+
+        model.numerics = Numerics(row_independent=args.v41_numerics == "row-independent")
     ids = Tokenizer.from_dir(model_dir).encode(Path(args.prompt_file).read_text())
     print(f"{model_dir.name}, {args.tokens} greedy tokens per sequence after {args.prompt_tokens}-token prompts, "
-          f"fp32, {args.threads} thread(s)")
+          f"{numerics}, {args.threads} thread(s)")
     print(f"{'batch':>5} {'speculation':20} {'tok/s':>8} {'vs off':>7} {'accept len':>11} {'drafts/step':>12}"
           "  per-position acceptance")
     for batch in args.batch:
@@ -96,14 +111,15 @@ def main() -> None:
         prompts = [ids[i * p: (i + 1) * p] for i in range(batch)]
         if len(prompts[-1]) < p:
             raise SystemExit(f"--prompt-file holds {len(ids)} tokens, fewer than {batch} prompts of {p}")
-        configs = [("off", 0, False)] + [(f"MTP k={k} {'adaptive' if a else 'fixed'}", k, a)
+        configs = [("off", 0, False)] + [(f"{drafter} k={k} {'adaptive' if a else 'fixed'}", k, a)
                                          for k in args.k for a in (False, True)]
         runs: dict[str, list[Row]] = {name: [] for name, _, _ in configs}
         for _ in range(args.repeats):
             for name, k, adaptive in configs:
                 row = run(model, k, prompts, args.tokens, adaptive)
                 runs[name].append(row)
-                assert row.outputs == runs["off"][0].outputs, "speculation changed greedy output"
+                changed = [i for i, (a, b) in enumerate(zip(row.outputs, runs["off"][0].outputs)) if a != b]
+                assert not changed, f"{name}: speculation changed the greedy output of sequences {changed}"
         base = statistics.median(r.tok_s for r in runs["off"])
         for name, _, _ in configs:
             r, tok_s = runs[name][0], statistics.median(x.tok_s for x in runs[name])

@@ -192,8 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
                        add_help=False)
     p.add_argument("bench_args", nargs=argparse.REMAINDER)
     p.set_defaults(func=_cmd_bench)
-    p = sub.add_parser("train-builtin", help="train the built-in model (a small V4 on the Python docs): "
-                       "train-builtin OUT_DIR [--steps N …]", add_help=False)
+    p = sub.add_parser("train-builtin", help="train the built-in model (a small V4 on the Python docs; "
+                       "--arch v41: a small V4.1 with DSpark): train-builtin OUT_DIR [--arch v41] [--steps N …]",
+                       add_help=False)
     p.add_argument("train_args", nargs=argparse.REMAINDER)
     p.set_defaults(func=_cmd_train_builtin)
     p = sub.add_parser("systemd-unit", help="print a systemd unit that runs `ringserve serve` with these flags")

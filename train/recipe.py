@@ -296,8 +296,37 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> Result:
     return Result(recipe, cfg, lm, mtp, data)
 
 
+def _split_arch(argv: list[str]) -> tuple[str, list[str]]:
+    """(--arch's value, default v4; argv without an explicit `--arch v4`, which the V4 parser
+    does not know: V4 runs parse, fingerprint and record exactly the arguments they always did)."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--arch", choices=["v4", "v41"], default="v4")
+    arch = pre.parse_known_args(argv)[0].arch
+    if arch == "v41":
+        return arch, argv
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--arch":
+            skip = True
+        elif not a.startswith("--arch="):
+            out.append(a)
+    return arch, out
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="train-builtin", description=__doc__.splitlines()[0])
+    given = sys.argv[1:] if argv is None else argv
+    arch, rest = _split_arch(given)
+    if arch == "v41":  # DeepSeek-V4.1 with its DSpark stages (train/v41_recipe.py)
+        from . import v41_recipe
+
+        return v41_recipe.main(rest)
+    if rest != given:  # an explicit --arch v4, dropped
+        argv = rest
+    parser = argparse.ArgumentParser(prog="train-builtin", description=__doc__.splitlines()[0],
+                                     epilog="--arch v41 trains a small DeepSeek-V4.1 with its DSpark stages "
+                                            "instead (train/v41_recipe.py; --arch v4, this, is the default)")
     add_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
