@@ -409,6 +409,10 @@ class EngineConfig:
     # DeepSeek-V4.1's Engram tables (hashed n-gram rows, 189 GiB in the release): on the device,
     # or in host memory, looked up there and only the rows a step reads copied over.
     engram_tables: str = "device"
+    # vLLM's batch invariance: a token's result never depends on what shares its step, so greedy
+    # output with speculation equals greedy output without, bit for bit (DeepSeek-V4.1: its
+    # row-independent numerics, engine/v41/numerics.py; slower).
+    batch_invariant: bool = False
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # None = min(model max, 32768)

@@ -11,14 +11,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from ipc.messages import Finished, SamplingParams, StepOutputs
 
 from .batch import Batch, StepOutput
-from .config import EngineConfig
+from .config import ConfigError, EngineConfig
 from .cuda_graphs import StaticDecodeBackend
 from .kv_cache import KVCache
 from .model import DeepseekV4
@@ -44,9 +44,13 @@ class EngineStats:
 class Engine:
     def __init__(self, model: DeepseekV4, config: EngineConfig = EngineConfig()):
         self.config = config = config.resolved()
+        if config.batch_invariant and model.cfg.arch != "v41":
+            raise ConfigError("--batch-invariant is implemented for DeepSeek-V4.1 only")
         self.model = model
         max_len = config.context_length(model.cfg)
         v41 = model.cfg.arch == "v41"  # DeepSeek-V4.1: its cache, runner and DSpark (engine/v41/)
+        if config.batch_invariant:
+            model.numerics = replace(model.numerics, row_independent=True)  # the model's mode from now on
         if v41:
             from .v41.kv_cache import V41KVCache as cache_cls
         else:

@@ -75,6 +75,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="DeepSeek-V4.1's Engram n-gram tables: on the device, or in host memory (looked up "
                         "there; a step copies only the rows it reads: what lets the released V4.1-Flash fit "
                         "8×H200, see `ringserve memory-report --engram-tables host`)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="a token's result never depends on what else shares its step (DeepSeek-V4.1 only): "
+                        "greedy output with speculation then equals greedy output without, bit for bit; slower")
     p.add_argument("--max-num-seqs", type=int, default=None, help="sequences per step (mode default)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step (mode default)")
     p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: min(model, 32768))")
@@ -146,7 +149,7 @@ def engine_config_from(args: argparse.Namespace):
     from engine.config import EngineConfig
 
     return EngineConfig(mode=args.mode, dtype=args.dtype, kv_dtype=args.kv_dtype, weight_dtype=args.weight_dtype,
-                        engram_tables=args.engram_tables,
+                        engram_tables=args.engram_tables, batch_invariant=args.batch_invariant,
                         max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                         speculative_tokens=args.speculative_tokens,

@@ -12,6 +12,8 @@ by the sources for every token) identical to the exact prefill's.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -190,3 +192,20 @@ def _mapped_file(address: int) -> str:
             if lo <= address < hi:
                 return fields[5] if len(fields) > 5 else ""
     return ""
+
+
+def test_batch_invariant_makes_dspark_lossless_in_the_default_numerics(tiny, prompts, expected):
+    """The default (reference) numerics give a 2-row verify chunk other fp32 bits than a 1-row
+    decode, so speculation may change greedy output; --batch-invariant switches the model to its
+    row-independent numerics: with DSpark the tokens and logprobs equal the plain reference's."""
+    from engine.config import ConfigError, EngineConfig
+    from engine.engine import Engine
+
+    default = load(tiny)
+    assert not default.numerics.row_independent
+    k = default.cfg.v41.dspark_block_size
+    run = run_engine(default, prompts, MAX_TOKENS, speculative_tokens=k, batch_invariant=True)
+    assert default.numerics.row_independent and run.engine.stats.spec_drafts > 0
+    assert_same(run, expected)
+    with pytest.raises(ConfigError, match="V4.1 only"):
+        Engine(SimpleNamespace(cfg=SimpleNamespace(arch="v4")), EngineConfig(batch_invariant=True))
