@@ -207,7 +207,7 @@ def v41_formats_from_config(model, cfg) -> dict:
     import torch
 
     from engine.linear import QuantWeight, RoutedExperts, WeightFormat
-    from engine.v41.checkpoint import _fp8_stored
+    from engine.v41.checkpoint import fp8_stored
     from kernels.reference import FP4_GROUP
 
     q = cfg.quantization or {}
@@ -222,7 +222,7 @@ def v41_formats_from_config(model, cfg) -> dict:
             plan[f"{path}.w13"] = plan[f"{path}.w2"] = experts
         elif isinstance(module, QuantWeight) and path.endswith("engram.embed"):
             plan[path] = WeightFormat.fp8((1, FP4_GROUP), scale_dtype)  # a row's 32-value groups
-        elif isinstance(module, QuantWeight) and _fp8_stored(f"{path}.weight"):
+        elif isinstance(module, QuantWeight) and fp8_stored(f"{path}.weight"):
             plan[path] = dense
     return plan
 

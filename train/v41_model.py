@@ -28,7 +28,7 @@ from torch import nn
 
 from engine.v41 import numerics as nx
 from engine.v41.attention import candidate_blocks, window_index
-from engine.v41.checkpoint import _F32_SUFFIXES, _fp8_stored, random_state
+from engine.v41.checkpoint import F32_SUFFIXES, fp8_stored, random_state
 from engine.v41.engram import EngramHasher
 from engine.v41.model import HyperSite, identity_pre
 from engine.v41.weights import build_v41
@@ -63,13 +63,13 @@ class V41Params(nn.Module):
 
 def stored_values(name: str, master: torch.Tensor) -> torch.Tensor:
     """fp32 values of `name` as the release stores it (fp8-fp4), gradient straight through."""
-    if name.endswith(_F32_SUFFIXES):
+    if name.endswith(F32_SUFFIXES):
         return master
     if ".experts." in name and ".shared_experts." not in name:
         return tq.ste(master, tq.fp4_weight_values(master))
     if name.endswith("engram.embed.weight"):
         return tq.ste(master, tq.fp8_weight_values(master, (1, 32)))
-    if _fp8_stored(name):
+    if fp8_stored(name):
         return tq.ste(master, tq.fp8_weight_values(master, (32, 32)))
     return master.to(torch.bfloat16).float()  # the cast's gradient is the identity
 

@@ -71,8 +71,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 # Tensors REF keeps (or promotes) out of FP8: bf16 / fp32 by the release's rules.
-_F32_SUFFIXES = ("hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale",
-                 "attn_sink", "gate.bias")
+F32_SUFFIXES = ("hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale",
+                "attn_sink", "gate.bias")
 
 
 def release_config(preset: str, compressed_vocab_size: int, quantize: str | None, **overrides: Any) -> dict:
@@ -169,7 +169,7 @@ def fp4_rows(w: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, torch.Tens
     return (codes[:, 0::2] | (codes[:, 1::2] << 4)).view(torch.int8), _e8m0(scale)
 
 
-def _fp8_stored(name: str) -> bool:
+def fp8_stored(name: str) -> bool:
     """Tensors the release stores FP8 (every projection outside the compressor / indexer keys)."""
     if not name.endswith(".weight") or "experts." in name and "shared_experts" not in name:
         return False
@@ -194,9 +194,9 @@ def export_tensors(cfg: ModelConfig, state: dict[str, torch.Tensor], quantize: s
                     out[name] = piece.to(torch.bfloat16)
             elif quantize and name.endswith("engram.embed.weight"):
                 out[name], out[name.removesuffix(".weight") + ".scale"] = fp8_blocks(value, (1, 32))
-            elif quantize and _fp8_stored(name):
+            elif quantize and fp8_stored(name):
                 out[name], out[name.removesuffix(".weight") + ".scale"] = fp8_blocks(value, (32, 32))
-            elif name.endswith(_F32_SUFFIXES):
+            elif name.endswith(F32_SUFFIXES):
                 out[name] = value.float().contiguous()
             else:
                 out[name] = value.to(torch.bfloat16).contiguous()
