@@ -160,19 +160,14 @@ def train(lm, mtp, cfg, data: Data, args: argparse.Namespace, device: torch.devi
     gen = torch.Generator().manual_seed(args.seed)
     autocast = _precision(args, device)
     state_path, fp = work / resume.STATE_FILE, resume.fingerprint(args, data.tokenizer.to_str())
-    start, done_s, recent = 0, 0.0, []
     if args.export_saved_state:
-        state, _ = resume.load_weights(state_path, lm, mtp, fp)
-        log({"exported_saved_state_at_step": state.step})
+        summary = resume.export_saved_state(state_path, lm, mtp, fp, args.steps, log)
         probes.detach_hooks()
         lm.eval()
         mtp.eval()
-        return {"step": state.step, "of_steps": args.steps, "stopped_early": state.step < args.steps,
-                "elapsed_s": state.elapsed_s}
-    if args.resume and state_path.exists():
-        state = resume.load(state_path, lm, mtp, opt, gen, fp)
-        start, done_s, recent = state.step, state.elapsed_s, list(state.recent)
-        log({"resumed_at_step": start})
+        return summary
+    begun = resume.starting_state(state_path, lm, mtp, opt, gen, fp, args.resume, log)
+    start, done_s, recent = begun.step, begun.elapsed_s, begun.recent
     t0, last = time.perf_counter() - done_s, {}
     for step in range(start, args.steps):
         for group in opt.param_groups:

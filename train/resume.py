@@ -74,6 +74,25 @@ def load(path: Path, lm, mtp, opt: torch.optim.Optimizer, gen: torch.Generator, 
     return state
 
 
+def starting_state(path: Path, lm, mtp, opt: torch.optim.Optimizer, gen: torch.Generator, fp: dict,
+                   resume: bool, log) -> State:
+    """Where a run starts: with `resume` and a saved state, that state restored (and logged),
+    else step 0."""
+    if resume and path.exists():
+        state = load(path, lm, mtp, opt, gen, fp)
+        log({"resumed_at_step": state.step})
+        return State(state.step, state.elapsed_s, list(state.recent))
+    return State(0, 0.0, [])
+
+
+def export_saved_state(path: Path, lm, mtp, fp: dict, steps: int, log) -> dict:
+    """--export-saved-state: the saved state's weights into lm / mtp; returns the training summary
+    recipe.json records for a run stopped there."""
+    state, _ = load_weights(path, lm, mtp, fp)
+    log({"exported_saved_state_at_step": state.step})
+    return {"step": state.step, "of_steps": steps, "stopped_early": state.step < steps, "elapsed_s": state.elapsed_s}
+
+
 def load_weights(path: Path, lm, mtp, fp: dict) -> tuple[State, dict[str, torch.Tensor]]:
     """Only the model and MTP weights of a saved state (to export a run stopped early), and every
     saved tensor. A `fp` without a tokenizer hash checks the arguments only."""

@@ -57,16 +57,10 @@ def train(model: v41.Model, data: recipe.Data, args: argparse.Namespace, log, wo
     opt = _optimizer(model, args)
     gen = torch.Generator().manual_seed(args.seed)
     state_path, fp = work / resume.STATE_FILE, resume.fingerprint(args, data.tokenizer.to_str())
-    start, done_s, recent = 0, 0.0, []
     if args.export_saved_state:
-        state, _ = resume.load_weights(state_path, params, empty, fp)
-        log({"exported_saved_state_at_step": state.step})
-        return {"step": state.step, "of_steps": args.steps, "stopped_early": state.step < args.steps,
-                "elapsed_s": state.elapsed_s}
-    if args.resume and state_path.exists():
-        state = resume.load(state_path, params, empty, opt, gen, fp)
-        start, done_s, recent = state.step, state.elapsed_s, list(state.recent)
-        log({"resumed_at_step": start})
+        return resume.export_saved_state(state_path, params, empty, fp, args.steps, log)
+    begun = resume.starting_state(state_path, params, empty, opt, gen, fp, args.resume, log)
+    start, done_s, recent = begun.step, begun.elapsed_s, begun.recent
     t0, last = time.perf_counter() - done_s, {}
     for step in range(start, args.steps):
         for group in opt.param_groups:
