@@ -22,9 +22,9 @@ import pytest
 pytest.importorskip("nixl_cu12", reason="nixl-cu12 is not installed: PD disaggregation needs NIXL")
 openai = pytest.importorskip("openai", reason="the official openai client is not installed")
 
+from pd_engines import UCX_ENV  # noqa: E402
 from server_process import API_KEY, Server, children, free_port, segments_of  # noqa: E402
 
-UCX_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", "NIXL_LOG_LEVEL": "WARN"}
 COMMON = ("--max-num-seqs", "4", "--kv-transfer-timeout", "10", "--kv-connect-timeout", "2")
 GREEDY = dict(temperature=0, max_tokens=6, extra_body={"ignore_eos": True})
 
@@ -140,18 +140,17 @@ def _kill_leftovers(procs) -> None:
             os.killpg(p.proc.pid, signal.SIGKILL)
 
 
-@pytest.fixture(scope="module")
-def pd(model_dir):
-    """(proxy, prefill, decode, colocated): all booted together (2 shared cores: this dominates)."""
-    os.environ.update(UCX_ENV)  # inherited by every child; a no-op for the other e2e servers
+def pd_servers(model_dir, common: tuple[str, ...], pre_flags: tuple[str, ...] = (), some_may_be_killed: bool = False):
+    """Generator for a fixture: (proxy, prefill, decode, colocated) booted together (2 shared
+    cores: this dominates), then each stopped cleanly — but a server a test killed, when
+    `some_may_be_killed` — and whatever still runs after a failure killed."""
     procs: list = []
     try:
-        pre = _Deferred(model_dir, *COMMON, "--kv-role", "prefill", "--kv-transfer", "nixl",
-                        "--kv-lease-timeout", "3")
+        pre = _Deferred(model_dir, *common, "--kv-role", "prefill", "--kv-transfer", "nixl", *pre_flags)
         procs.append(pre)
-        dec = _Deferred(model_dir, *COMMON, "--kv-role", "decode", "--kv-transfer", "nixl")
+        dec = _Deferred(model_dir, *common, "--kv-role", "decode", "--kv-transfer", "nixl")
         procs.append(dec)
-        col = _Deferred(model_dir, *COMMON)
+        col = _Deferred(model_dir, *common)
         procs.append(col)
         proxy = Proxy(model_dir.parent, [pre.url], [dec.url])
         procs.append(proxy)
@@ -160,10 +159,17 @@ def pd(model_dir):
         yield proxy, pre, dec, col
         assert proxy.stop() == 0, proxy.output()
         for s in (pre, dec, col):
-            if s.proc.poll() is None:  # the prefill was killed by the last fault test
+            if not some_may_be_killed or s.proc.poll() is None:
                 _stop_cleanly(s)
     finally:
         _kill_leftovers(procs)
+
+
+@pytest.fixture(scope="module")
+def pd(model_dir):
+    """(proxy, prefill, decode, colocated); the last fault test kills the prefill."""
+    os.environ.update(UCX_ENV)  # inherited by every child; a no-op for the other e2e servers
+    yield from pd_servers(model_dir, COMMON, ("--kv-lease-timeout", "3"), some_may_be_killed=True)
 
 
 def _client(url: str) -> "openai.OpenAI":

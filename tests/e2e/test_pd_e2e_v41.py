@@ -14,8 +14,7 @@ import pytest
 pytest.importorskip("nixl_cu12", reason="nixl-cu12 is not installed: PD disaggregation needs NIXL")
 
 from server_process import API_KEY  # noqa: E402
-from test_pd import (UCX_ENV, Proxy, _Deferred, _holds_nothing, _kill_leftovers, _post, _settles,  # noqa: E402
-                     _stop_cleanly)
+from test_pd import UCX_ENV, _holds_nothing, _post, _settles, pd_servers  # noqa: E402
 
 COMMON = ("--max-num-seqs", "2", "--kv-transfer-timeout", "10", "--kv-connect-timeout", "5")
 
@@ -32,22 +31,7 @@ def pd(v41_dir, monkeypatch_module):
     """(proxy, prefill, decode, colocated), booted together."""
     for k, v in UCX_ENV.items():
         monkeypatch_module.setenv(k, v)  # inherited by every child
-    procs: list = []
-    try:
-        pre = _Deferred(v41_dir, *COMMON, "--kv-role", "prefill", "--kv-transfer", "nixl")
-        dec = _Deferred(v41_dir, *COMMON, "--kv-role", "decode", "--kv-transfer", "nixl")
-        col = _Deferred(v41_dir, *COMMON)
-        procs += [pre, dec, col]
-        proxy = Proxy(v41_dir.parent, [pre.url], [dec.url])
-        procs.append(proxy)
-        for p in procs:
-            p.wait_ready()
-        yield proxy, pre, dec, col
-        assert proxy.stop() == 0, proxy.output()
-        for s in (pre, dec, col):
-            _stop_cleanly(s)
-    finally:
-        _kill_leftovers(procs)
+    yield from pd_servers(v41_dir, COMMON)
 
 
 @pytest.fixture(scope="module")

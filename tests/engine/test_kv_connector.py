@@ -8,7 +8,6 @@ non-finite logits. Each test ends with neither engine holding a block, a lease o
 """
 from __future__ import annotations
 
-import os
 import time
 
 import msgspec
@@ -27,8 +26,8 @@ from engine.kv_transfer.plan import make_plan  # noqa: E402
 from engine.request import RequestError  # noqa: E402
 from engine.weights import load_model  # noqa: E402
 from ipc.messages import Finished, SamplingParams  # noqa: E402
+from pd_engines import collect, poison_pools, ucx_environment  # noqa: E402
 
-UCX_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", "NIXL_LOG_LEVEL": "WARN"}
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=32, kv_cache_memory_bytes=4 << 20, block_size=16)
 GREEDY = SamplingParams(max_tokens=4, ignore_eos=True, logprobs=2)
 LEG1 = protocol.KVTransferParams(do_remote_decode=True)
@@ -37,8 +36,11 @@ LEG1 = protocol.KVTransferParams(do_remote_decode=True)
 @pytest.fixture(scope="module")
 def engines(checkpoint_factory):
     """(prefill, decode, colocated) engines on one tiny model; single-threaded (2 shared cores)."""
-    saved = {k: os.environ.get(k) for k in UCX_ENV}
-    os.environ.update(UCX_ENV)
+    with ucx_environment():
+        yield from _engines(checkpoint_factory)
+
+
+def _engines(checkpoint_factory):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     import numba
@@ -52,9 +54,7 @@ def engines(checkpoint_factory):
     col = Engine(model, EngineConfig(**ENGINE))
     attach_connector(pre)
     attach_connector(dec)
-    for pool in dec.cache.pools.values():
-        for t in pool.tensors.values():
-            t[1:].view(torch.uint8).fill_(0xFF)  # block 0 is the zeroed dummy block
+    poison_pools(dec)
     try:
         yield pre, dec, col
     finally:
@@ -62,11 +62,6 @@ def engines(checkpoint_factory):
         pre.connector.close()
         torch.set_num_threads(threads)
         numba.set_num_threads(numba_threads)
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 @pytest.fixture(autouse=True)
@@ -91,38 +86,21 @@ def _settle(pre: Engine, dec: Engine, done, timeout_s: float = 20.0) -> None:
         dec.step()
 
 
-def _collect(engine: Engine, others: tuple[Engine, ...], rid: int, timeout_s: float = 60.0):
-    """Step `engine` (and tick the others) until request `rid` finishes: (tokens, logprobs, Finished)."""
-    tokens, logprobs, end = [], [], time.monotonic() + timeout_s
-    while True:
-        assert time.monotonic() < end, f"request {rid} did not finish"
-        out = engine.step()
-        for e in others:
-            e.step()
-        for d in out.deltas:
-            if d.request_id == rid:
-                tokens += d.token_ids
-                logprobs += d.logprobs or []
-        for f in out.finished:
-            if f.request_id == rid:
-                return tokens, logprobs, f
-
-
 def _prefill(pre: Engine, dec: Engine, rid: int, prompt: list[int], params=GREEDY) -> protocol.KVTransferParams:
     pre.add_request(rid, prompt, params, LEG1)
-    _, _, done = _collect(pre, (dec,), rid)
+    _, _, done = collect(pre, (dec,), rid)
     assert done.reason in ("length", "stop") and done.kv_transfer_params is not None, done
     return done.kv_transfer_params
 
 
 def _decode(pre: Engine, dec: Engine, rid: int, prompt: list[int], kv, params=GREEDY):
     dec.add_request(rid, prompt, params, kv)
-    return _collect(dec, (pre,), rid)
+    return collect(dec, (pre,), rid)
 
 
 def _colocated(col: Engine, rid: int, prompt: list[int], params=GREEDY):
     col.add_request(rid, prompt, params)
-    return _collect(col, (), rid)
+    return collect(col, (), rid)
 
 
 def _prompt(n: int, seed: int = 0) -> list[int]:
@@ -306,7 +284,7 @@ def test_lease_expires_unless_the_decode_renews_it(engines):
             pre.step()
         assert len(pre.connector.prefill.leases) == 1 and dec.connector.decode.loads
         dec.cache.free(hog)
-        assert _collect(dec, (pre,), 64)[:2] == want[:2]
+        assert collect(dec, (pre,), 64)[:2] == want[:2]
     finally:
         pre.connector.ctx.config = config
 

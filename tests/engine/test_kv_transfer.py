@@ -26,9 +26,9 @@ from engine.kv_transfer import digest, protocol  # noqa: E402
 from engine.kv_transfer.nixl_transport import (IncompatiblePeer, KVTransport, PeerUnavailable,  # noqa: E402
                                                TransferFailed, unique_name)
 from kv_transfer_peer import fill_regions  # noqa: E402
+from pd_engines import UCX_ENV  # noqa: E402
 from process_state import stop_process  # noqa: E402
 
-UCX_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", "NIXL_LOG_LEVEL": "WARN"}
 _CTX = mp.get_context("forkserver")
 _CTX.set_forkserver_preload(["torch", "engine.kv_transfer.nixl_transport", "kv_transfer_peer"])
 SPEC = {  # three regions of different shapes and dtypes, like the c4 / idx4 / swa pools

@@ -13,7 +13,6 @@ rebuild would show up.
 
 from __future__ import annotations
 
-import os
 import time
 
 import msgspec
@@ -30,9 +29,9 @@ from engine.kv_transfer.config import KVTransferConfig  # noqa: E402
 from engine.kv_transfer.plan import make_plan  # noqa: E402
 from engine.v41.checkpoint import write_v41_checkpoint  # noqa: E402
 from ipc.messages import SamplingParams  # noqa: E402
+from pd_engines import UCX_ENV, collect, poison_pools, ucx_environment  # noqa: E402
 from tests.v41.engine_helpers import load, run_engine  # noqa: E402
 
-UCX_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", "NIXL_LOG_LEVEL": "WARN"}
 B = 16
 MAX_TOKENS = 4
 PARAMS = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
@@ -77,56 +76,32 @@ def receptive_field(model) -> int:
 @pytest.fixture(scope="module")
 def engines(model):
     """(prefill, decode, chunked decode with DSpark drafting), decode pools poisoned."""
-    saved = {k: os.environ.get(k) for k in UCX_ENV}
-    os.environ.update(UCX_ENV)
-    kv = KVTransferConfig(model_id="tiny-v41@test", lease_s=10.0, idle_peer_s=60.0)
-    pre = Engine(model, EngineConfig(**ENGINE, kv_transfer=msgspec.structs.replace(kv, role="prefill")))
-    dec = Engine(model, EngineConfig(**ENGINE, kv_transfer=msgspec.structs.replace(kv, role="decode")))
-    # DSpark drafting on, the replay computed in chunks of 23 positions.
-    spec = Engine(model, EngineConfig(**{**ENGINE, "speculative_tokens": 3, "max_num_batched_tokens": 23},
-                                      kv_transfer=msgspec.structs.replace(kv, role="decode")))
-    for e in (pre, dec, spec):
-        attach_connector(e)
-    for e in (dec, spec):
-        for pool in e.cache.pools.values():
-            for t in pool.tensors.values():
-                t[1:].view(torch.uint8).fill_(0xFF)  # block 0 is the zeroed dummy block
-    try:
-        yield pre, dec, spec
-    finally:
-        for e in (spec, dec, pre):
-            e.connector.close()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def _collect(engine: Engine, other: Engine, rid: int, timeout_s: float = 60.0):
-    """Step `engine` (ticking `other`) until request `rid` finishes: (tokens, logprobs, Finished)."""
-    tokens, logprobs, end = [], [], time.monotonic() + timeout_s
-    while True:
-        assert time.monotonic() < end, f"request {rid} did not finish"
-        out = engine.step()
-        other.step()
-        for d in out.deltas:
-            if d.request_id == rid:
-                tokens += d.token_ids
-                logprobs += d.logprobs or []
-        for f in out.finished:
-            if f.request_id == rid:
-                return tokens, logprobs, f
+    with ucx_environment():
+        kv = KVTransferConfig(model_id="tiny-v41@test", lease_s=10.0, idle_peer_s=60.0)
+        pre = Engine(model, EngineConfig(**ENGINE, kv_transfer=msgspec.structs.replace(kv, role="prefill")))
+        dec = Engine(model, EngineConfig(**ENGINE, kv_transfer=msgspec.structs.replace(kv, role="decode")))
+        # DSpark drafting on, the replay computed in chunks of 23 positions.
+        spec = Engine(model, EngineConfig(**{**ENGINE, "speculative_tokens": 3, "max_num_batched_tokens": 23},
+                                          kv_transfer=msgspec.structs.replace(kv, role="decode")))
+        for e in (pre, dec, spec):
+            attach_connector(e)
+        poison_pools(dec)
+        poison_pools(spec)
+        try:
+            yield pre, dec, spec
+        finally:
+            for e in (spec, dec, pre):
+                e.connector.close()
 
 
 def _handoff(pre: Engine, dec: Engine, rid: int, prompt: list[int]):
     pre.add_request(rid, prompt, PARAMS, LEG1)
-    _, _, done = _collect(pre, dec, rid)
+    _, _, done = collect(pre, (dec,), rid)
     assert done.reason == "length" and done.kv_transfer_params is not None, done
     kv = done.kv_transfer_params
     assert kv.group_blocks("sliding")[0] == []  # no sliding block is held or named
     dec.add_request(rid + 1, prompt, PARAMS, kv)
-    return _collect(dec, pre, rid + 1)
+    return collect(dec, (pre,), rid + 1)
 
 
 def _global_bytes(layout, n: int) -> int:
@@ -190,7 +165,7 @@ def test_decode_rebuilds_the_engram_history_and_zeroes_the_window_before_the_rep
     n = 97
     prompt, rid = PROMPTS[n], 5000
     pre.add_request(rid, prompt, PARAMS, LEG1)
-    kv = _collect(pre, dec, rid)[2].kv_transfer_params
+    kv = collect(pre, (dec,), rid)[2].kv_transfer_params
     dec.add_request(rid + 1, prompt, PARAMS, kv)
     end, first_token = time.monotonic() + 20.0, []
     while rid + 1 not in dec.scheduler.requests:  # the connector alone: nothing computes yet
@@ -212,7 +187,7 @@ def test_decode_rebuilds_the_engram_history_and_zeroes_the_window_before_the_rep
             for t in pool.tensors.values():
                 assert not t.view(-1, *t.shape[2:])[slots].view(torch.uint8).any(), pool.spec.name
     assert first_token == [([cold[n][0][0]], [cold[n][1][0]])]  # the prefill's token, emitted at admission
-    got = _collect(dec, pre, rid + 1)
+    got = collect(dec, (pre,), rid + 1)
     assert got[:2] == (cold[n][0][1:], cold[n][1][1:])
     _settled(pre, dec)
 
