@@ -25,6 +25,7 @@ from engine.engine import Engine
 from engine.weights import load_model
 from ipc.messages import SamplingParams
 from kernels import cpu_quant_gemm
+from perf.bench_quant_gemm import tiled
 from perf.machine import header, set_cpu_threads
 
 
@@ -47,12 +48,9 @@ def step_ms(model, batch: int, prompt_len: int, steps: int) -> float:
 
 
 def run_variant(name: str, models: dict, batch: int, args) -> float:
-    saved = cpu_quant_gemm.GEMV_MAX_ROWS
-    cpu_quant_gemm.GEMV_MAX_ROWS = 0 if name == "tiled" else saved
-    try:
+    def run() -> float:
         return step_ms(models["bf16" if name == "bf16" else "auto"], batch, args.prompt_len, args.steps)
-    finally:
-        cpu_quant_gemm.GEMV_MAX_ROWS = saved
+    return tiled(run)() if name == "tiled" else run()
 
 
 def main() -> None:
