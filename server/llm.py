@@ -139,12 +139,25 @@ class LLM:
         if loop.is_closed():
             return
         try:
-            asyncio.run_coroutine_threadsafe(client.shutdown(timeout_s=5.0), loop).result(timeout=30)
+            asyncio.run_coroutine_threadsafe(LLM._stop_everything(client), loop).result(timeout=30)
         except Exception:  # noqa: BLE001 - best effort at exit; the workers are daemons either way
             logging.getLogger(__name__).warning("LLM shutdown did not complete cleanly")
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=5)
+        if not loop.is_running():
+            loop.run_until_complete(loop.shutdown_asyncgens())
         loop.close()
+
+    @staticmethod
+    async def _stop_everything(client: EngineClient) -> None:
+        """The workers stopped, then every task still on the loop (a generate cut short by Ctrl-C)
+        cancelled and awaited, as asyncio.run does: a task left pending when the loop closes
+        prints 'Event loop is closed' tracebacks when it is collected."""
+        await client.shutdown(timeout_s=5.0)
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def validate_request(vocab_size: int, max_model_len: int, prompt_token_ids: list[int], params: SamplingParams,
