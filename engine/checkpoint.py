@@ -148,7 +148,7 @@ def quantize_fp8_blocks(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torc
 def _e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     """Round |x| ≤ 6 to the nearest e2m1 code, ties to the even code; sign in bit 3."""
     mag = x.abs()
-    midpoints = (_E2M1_GRID[1:] + _E2M1_GRID[:-1]) / 2
+    midpoints = ((_E2M1_GRID[1:] + _E2M1_GRID[:-1]) / 2).to(x.device)
     code = torch.bucketize(mag, midpoints, right=False)  # ties land on the lower code
     at_tie = (code < 7) & (mag == midpoints[code.clamp(max=6)]) & (code % 2 == 1)
     code = code + at_tie.long()

@@ -49,7 +49,7 @@ def e2m1_codes(y: torch.Tensor) -> torch.Tensor:
 
 
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
-    magnitude = E2M1_VALUES[(codes & 7).long()]
+    magnitude = E2M1_VALUES.to(codes.device)[(codes & 7).long()]
     return torch.where(codes >= 8, -magnitude, magnitude)
 
 
@@ -62,7 +62,7 @@ def ue8m0_exponent(amax: torch.Tensor, qmax: float) -> torch.Tensor:
 
 def pow2(exponent: torch.Tensor) -> torch.Tensor:
     """2^exponent as fp32 (exact for exponent in [-149, 127])."""
-    return torch.ldexp(torch.ones(exponent.shape), exponent)
+    return torch.ldexp(torch.ones(exponent.shape, device=exponent.device), exponent)
 
 
 def ue8m0_values(codes: torch.Tensor) -> torch.Tensor:

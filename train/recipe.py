@@ -252,6 +252,11 @@ class Result:
     data: Data
 
 
+def training_device(args: argparse.Namespace) -> torch.device:
+    """--device: auto = the GPU when torch sees one, else the CPU."""
+    return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+
+
 def run(args: argparse.Namespace, argv: list[str] | None = None) -> Result:
     """The whole recipe."""
     out = Path(args.out_dir)
@@ -259,7 +264,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> Result:
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.threads)
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    device = training_device(args)
     log_file = (work / "train-log.jsonl").open("a" if args.resume or args.export_saved_state else "w")
 
     def log(record: dict) -> None:

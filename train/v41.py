@@ -96,10 +96,11 @@ class Model:
         return self.geo.cfg
 
 
-def build(geo: Geometry, seed: int) -> Model:
-    """Fresh masters (the release writer's random draw for (seed, name)) and the Engram hasher."""
+def build(geo: Geometry, seed: int, device: torch.device | str = "cpu") -> Model:
+    """Fresh masters (the release writer's random draw for (seed, name), made on the host, so
+    the same on every device) on `device`, and the Engram hasher (host: it hashes as the engine)."""
     hasher = EngramHasher(geo.cfg, geo.token_map) if geo.cfg.v41.engram_layer_ids else None
-    return Model(geo, V41Params(geo.cfg, seed), hasher)
+    return Model(geo, V41Params(geo.cfg, seed).to(device), hasher)
 
 
 @dataclass
@@ -115,8 +116,9 @@ class Losses:
 def losses(model: Model, window: torch.Tensor, anchors: int, gen: torch.Generator | None = None,
            exact: bool = True) -> Losses:
     """window [B, L+1]: the backbone on window[:, :L], its next-token loss, DSpark's block loss
-    on `anchors` anchors per sequence (0: all), the indexers' KL."""
+    on `anchors` anchors per sequence (0: all), the indexers' KL. Runs on the masters' device."""
     w = effective_weights(model.params)
+    window = window.to(w["embed.weight"].device)
     out = v41_model.forward(model.cfg, w, model.hasher, window[:, :-1], exact)
     vocab = out.logits.shape[-1]
     lm = F.cross_entropy(out.logits.reshape(-1, vocab), window[:, 1:].reshape(-1))

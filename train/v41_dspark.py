@@ -33,14 +33,14 @@ def observe(ctx: Ctx, main_hidden: torch.Tensor) -> list[torch.Tensor]:
     """main_hidden [B, L, n_targets·dim] → per stage its window rows [B·L, dim] at positions 0..L−1."""
     b, L = main_hidden.shape[:2]
     main_x = ctx.norm(ctx.gemm(main_hidden.flatten(0, 1), "mtp.0.main_proj.weight"), "mtp.0.main_norm.weight")
-    rot = nx.rotation(torch.arange(L).repeat(b), ctx.freqs_main)
+    rot = nx.rotation(torch.arange(L, device=ctx.device).repeat(b), ctx.freqs_main)
     return [window_rows(ctx, f"mtp.{s}.attn", main_x, rot) for s in range(ctx.cfg.num_nextn_predict_layers)]
 
 
 def _window_slots(p: torch.Tensor, window: int) -> torch.Tensor:
     """[A, window] main positions each anchor's block reads, as the engine lays them out: a full
     window in ring-slot order (slot = position mod window), a partial one ascending; −1 pads."""
-    j = torch.arange(window)
+    j = torch.arange(window, device=p.device)
     full = p[:, None] - window + 1 + (j[None, :] - (p[:, None] + 1)) % window  # slot order
     partial = torch.where(j[None, :] <= p[:, None], j[None, :], -1)
     return torch.where((p >= window - 1)[:, None], full, partial)
@@ -57,8 +57,9 @@ def run_blocks(ctx: Ctx, rows: list[torch.Tensor], seq: torch.Tensor, p: torch.T
     """Blocks of anchors: sequence seq [A], last observed position p [A], anchor ids [A]."""
     cfg, v, w = ctx.cfg, ctx.cfg.v41, ctx.w
     a, block_n, win = anchors.shape[0], v.dspark_block_size, cfg.sliding_window
-    ids = torch.cat([anchors[:, None], torch.full((a, block_n - 1), v.dspark_noise_token_id)], dim=1)  # [A, block]
-    positions = (p[:, None] + 1 + torch.arange(block_n)).flatten()  # [A·block]
+    noise = torch.full((a, block_n - 1), v.dspark_noise_token_id, device=anchors.device)
+    ids = torch.cat([anchors[:, None], noise], dim=1)  # [A, block]
+    positions = (p[:, None] + 1 + torch.arange(block_n, device=p.device)).flatten()  # [A·block]
     rot = nx.rotation(positions, ctx.freqs_main)
     slots = _window_slots(p, win)  # [A, window]
     main_rows = torch.where(slots >= 0, seq[:, None] * ctx.length + slots, -1)
@@ -69,7 +70,7 @@ def run_blocks(ctx: Ctx, rows: list[torch.Tensor], seq: torch.Tensor, p: torch.T
         _, q = project_q(ctx, att, x, rot)
         own = window_rows(ctx, att, x, rot)  # [A·block, D]
         kv = torch.cat([rows[s], own])
-        block_idx = rows[s].shape[0] + torch.arange(a * block_n).view(a, block_n)  # [A, block]
+        block_idx = rows[s].shape[0] + torch.arange(a * block_n, device=p.device).view(a, block_n)  # [A, block]
         # the engine's column order: window rows, then the block rows (padding last)
         cols = torch.cat([main_rows[:, :n_window], block_idx], dim=-1)
         order = torch.sort((cols < 0).to(torch.int8), dim=-1, stable=True).indices  # valid first, in place
@@ -112,18 +113,21 @@ class DSparkLosses:
     per_position: torch.Tensor  # [block] teacher-forced argmax accuracy per block row (no grad)
 
 
-def anchor_positions(length: int, block: int, count: int, batch: int, gen: torch.Generator | None):
+def anchor_positions(length: int, block: int, count: int, batch: int, gen: torch.Generator | None,
+                     device: torch.device | str = "cpu"):
     """(sequence [A], p [A]) with p in [0, length − block − 1] (targets inside the window):
-    every p when count is 0 or covers them, else `count` per sequence drawn by `gen`."""
+    every p when count is 0 or covers them, else `count` per sequence drawn by `gen` (a host
+    generator: the draw is the same whatever the device), on `device`."""
     span = length - block
     if span < 1:
         raise ValueError(f"windows of {length} tokens leave no DSpark anchor for blocks of {block}")
-    if count <= 0 or count >= span:
-        p = torch.arange(span).repeat(batch)
-    else:
-        p = torch.cat([torch.randperm(span, generator=gen)[:count].sort().values for _ in range(batch)])
-    seq = torch.arange(batch).repeat_interleave(p.shape[0] // batch)
-    return seq, p
+    with torch.device("cpu"):
+        if count <= 0 or count >= span:
+            p = torch.arange(span).repeat(batch)
+        else:
+            p = torch.cat([torch.randperm(span, generator=gen)[:count].sort().values for _ in range(batch)])
+        seq = torch.arange(batch).repeat_interleave(p.shape[0] // batch)
+    return seq.to(device), p.to(device)
 
 
 def losses(ctx: Ctx, main_hidden: torch.Tensor, window: torch.Tensor, count: int,
@@ -132,9 +136,9 @@ def losses(ctx: Ctx, main_hidden: torch.Tensor, window: torch.Tensor, count: int
     v, b, L = ctx.cfg.v41, window.shape[0], window.shape[1] - 1
     block_n = v.dspark_block_size
     rows = observe(ctx, main_hidden.detach())
-    seq, p = anchor_positions(L, block_n, count, b, gen)
+    seq, p = anchor_positions(L, block_n, count, b, gen, window.device)
     out = run_blocks(ctx, rows, seq, p, window[seq, p + 1])
-    offsets = p[:, None] + 1 + torch.arange(block_n)  # [A, block] positions of the previous tokens
+    offsets = p[:, None] + 1 + torch.arange(block_n, device=p.device)  # [A, block] positions of the previous tokens
     prev, target = window[seq[:, None], offsets], window[seq[:, None], offsets + 1]
     bias, embed = markov(ctx, prev)
     logits = out.logits + bias  # [A, block, V]
@@ -151,10 +155,12 @@ def greedy_draft(cfg, w: dict[str, torch.Tensor], main_hidden: torch.Tensor, anc
     L = main_hidden.shape[1]
     ctx = new_ctx(cfg, w, 1, L, exact)
     rows = observe(ctx, main_hidden)
-    out = run_blocks(ctx, rows, torch.zeros(1, dtype=torch.long), torch.tensor([L - 1]), torch.tensor([anchor]))
+    dev = ctx.device
+    out = run_blocks(ctx, rows, torch.zeros(1, dtype=torch.long, device=dev), torch.tensor([L - 1], device=dev),
+                     torch.tensor([anchor], device=dev))
     tokens, embeds = [anchor], []
     for i in range(cfg.v41.dspark_block_size):
-        bias, embed = markov(ctx, torch.tensor([tokens[-1]]))
+        bias, embed = markov(ctx, torch.tensor([tokens[-1]], device=dev))
         embeds.append(embed[0])
         tokens.append(int((out.logits[0, i] + bias[0]).argmax()))
     conf = confidence(ctx, out.x[0], torch.stack(embeds))

@@ -67,7 +67,7 @@ def score_training_model(model: Model, wins: torch.Tensor, tok: Decoder, batch: 
     total = 0.0
     for i in range(0, len(wins), batch):
         chunk = wins[i: i + batch]
-        logits = v41_model.forward(model.cfg, w, model.hasher, chunk[:, :-1], exact=True).logits
+        logits = v41_model.forward(model.cfg, w, model.hasher, chunk[:, :-1], exact=True).logits.cpu()
         total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), chunk[:, 1:].reshape(-1),
                                  reduction="sum").item()
     return Score(total, wins[:, 1:].numel(), target_chars(tok, wins))

@@ -103,6 +103,10 @@ class Ctx:
     index: dict[int, IndexRecord] = field(default_factory=dict)
     router_picks: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # (MoE prefix, [N, k] experts)
 
+    @property
+    def device(self) -> torch.device:
+        return self.freqs_main.device
+
     def gemm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return tq.quant_gemm(x, self.w[name], self.exact)
 
@@ -111,8 +115,12 @@ class Ctx:
 
 
 def new_ctx(cfg, w: dict[str, torch.Tensor], batch: int, length: int, exact: bool) -> Ctx:
-    return Ctx(cfg, w, exact, batch, length, nx.rope_freqs(cfg.rope_dim, cfg.rope_theta, None),
-               nx.rope_freqs(cfg.rope_dim, cfg.compress_rope_theta, cfg.yarn))
+    """The forward runs on the masters' device: every index tensor it makes is made there."""
+    with torch.device("cpu"):  # the frequencies are the engine's: computed on the host, then moved
+        main, compress = (nx.rope_freqs(cfg.rope_dim, cfg.rope_theta, None),
+                          nx.rope_freqs(cfg.rope_dim, cfg.compress_rope_theta, cfg.yarn))
+    device = w["embed.weight"].device
+    return Ctx(cfg, w, exact, batch, length, main.to(device), compress.to(device))
 
 
 # ---- MoE ----------------------------------------------------------------------------------
@@ -213,7 +221,7 @@ def _publish(ctx: Ctx, layer: int, x: torch.Tensor) -> None:
         latents = ctx.norm(pooled.to(torch.bfloat16), f"{p}.compressor.norm.weight")
     groups = L // ratio
     latents = latents.reshape(b, -1, d)[:, :groups].reshape(b * groups, d)  # [B·G, D]
-    rot = nx.rotation(torch.arange(groups).repeat(b) * ratio, ctx.freqs_compress)
+    rot = nx.rotation(torch.arange(groups, device=ctx.device).repeat(b) * ratio, ctx.freqs_compress)
     # keys from the detached latents: the index keys train the indexer only (by its KL)
     k = ctx.norm(nx.bf16_gemm(latents.detach(), w[f"{p}.indexer.wk.weight"]), f"{p}.indexer.k_norm.weight")
     keys = tq.fake_fp4_index(nx.apply_rope(k, rot)).unflatten(0, (b, groups))  # [B, G, Di]
@@ -230,7 +238,7 @@ def _select(ctx: Ctx, layer: int, x: torch.Tensor, qr: torch.Tensor, rot: torch.
     cfg, w, v = ctx.cfg, ctx.w, ctx.cfg.v41
     p, ratio, L = f"layers.{layer}.attn.indexer", cfg_ratio(cfg, layer), ctx.length
     n = L // ratio
-    visible = (torch.arange(L) + 1) // ratio  # [L]
+    visible = (torch.arange(L, device=ctx.device) + 1) // ratio  # [L]
     # queries and head weights from detached inputs: only the indexer's own tensors learn here
     iq = ctx.gemm(qr.detach(), f"{p}.wq_b.weight").unflatten(-1, (cfg.index_n_heads, cfg.index_head_dim))
     iq = tq.fake_fp4_index(nx.apply_rope(iq, rot))  # [N, Hi, Di]
@@ -243,7 +251,7 @@ def _select(ctx: Ctx, layer: int, x: torch.Tensor, qr: torch.Tensor, rot: torch.
         rows = slice(b * L, (b + 1) * L)
         dots = torch.einsum("thd,nd->thn", iq[rows].float(), keys[b, :n].float()).to(torch.bfloat16)  # [L, Hi, n]
         scores = (dots.relu() * weights[rows, :, None]).sum(dim=1)  # [L, n] bf16
-        scores = scores.masked_fill(torch.arange(n) >= visible[:, None], float("-inf"))
+        scores = scores.masked_fill(torch.arange(n, device=ctx.device) >= visible[:, None], float("-inf"))
         pick = scores.detach()
         if layer == v.candidate_source_layer:
             cands.append(candidate_blocks(pick, visible, v.candidate_topk_blocks, v.candidate_block_size))
@@ -283,8 +291,8 @@ def attention(ctx: Ctx, layer: int, x: torch.Tensor, rot: torch.Tensor) -> torch
     p, ratio, b, L = f"layers.{layer}.attn", cfg_ratio(cfg, layer), ctx.batch, ctx.length
     qr, q = project_q(ctx, p, x, rot)
     win = window_rows(ctx, p, x, rot)  # [N, D]
-    base = window_index(torch.arange(L), 0, cfg.sliding_window)  # [L, W] rows of one sequence, −1 none
-    offsets = (torch.arange(b) * L).repeat_interleave(L)[:, None]  # [N, 1]
+    base = window_index(torch.arange(L, device=ctx.device), 0, cfg.sliding_window)  # [L, W] one sequence's rows, −1 none
+    offsets = (torch.arange(b, device=ctx.device) * L).repeat_interleave(L)[:, None]  # [N, 1]
     idx = torch.where(base.repeat(b, 1) >= 0, base.repeat(b, 1) + offsets, -1)
     kv = win
     if ratio:
@@ -295,7 +303,7 @@ def attention(ctx: Ctx, layer: int, x: torch.Tensor, rot: torch.Tensor) -> torch
         entries = ctx.sources[cfg.v41.kv_source_of(layer)][0]  # [B, G, D]
         n = L // ratio
         chosen = torch.cat(ctx.handoff["topk"])  # [N, k]
-        entry_off = (b * L + torch.arange(b) * n).repeat_interleave(L)[:, None]
+        entry_off = (b * L + torch.arange(b, device=ctx.device) * n).repeat_interleave(L)[:, None]
         kv = torch.cat([win, entries[:, :n].reshape(b * n, -1)])
         idx = torch.cat([idx, torch.where(chosen >= 0, chosen + entry_off, -1)], dim=-1)
         if layer in ctx.index:
@@ -316,9 +324,12 @@ class MainOut:
 
 
 def engram_hashes(hasher: EngramHasher, ids: torch.Tensor) -> torch.Tensor:
-    """[B, L] token ids from position 0 → int64 [B·L, n_engram_layers, cols]."""
-    back = torch.full((hasher.lookback,), hasher.pad, dtype=torch.int64)
-    return torch.cat([hasher.hash_ids(back, hasher.compress(row.cpu())) for row in ids]).to(ids.device)
+    """[B, L] token ids from position 0 → int64 [B·L, n_engram_layers, cols] on ids' device
+    (hashed on the host, as the engine hashes)."""
+    with torch.device("cpu"):  # the hasher's tables are host tensors
+        back = torch.full((hasher.lookback,), hasher.pad, dtype=torch.int64)
+        hashes = torch.cat([hasher.hash_ids(back, hasher.compress(row)) for row in ids.cpu()])
+    return hashes.to(ids.device)
 
 
 def engram(ctx: Ctx, p: str, stream: torch.Tensor, hash_ids: torch.Tensor) -> torch.Tensor:
@@ -339,11 +350,13 @@ def engram(ctx: Ctx, p: str, stream: torch.Tensor, hash_ids: torch.Tensor) -> to
 
 def forward(cfg, w: dict[str, torch.Tensor], hasher: EngramHasher | None, ids: torch.Tensor,
             exact: bool = True) -> MainOut:
-    """ids [B, L] (each a sequence from position 0) → logits and DSpark's observation."""
+    """ids [B, L] (each a sequence from position 0) → logits and DSpark's observation, on the
+    masters' device."""
     v, (b, L) = cfg.v41, ids.shape
+    ids = ids.to(w["embed.weight"].device)
     ctx = new_ctx(cfg, w, b, L, exact)
     hashes = engram_hashes(hasher, ids) if v.engram_layer_ids else None
-    positions = torch.arange(L).repeat(b)
+    positions = torch.arange(L, device=ids.device).repeat(b)
     stream = w["embed.weight"].to(torch.bfloat16)[ids.flatten()][:, None, :].repeat(1, cfg.hc_mult, 1)
     pre_mix = identity_pre(b * L, cfg.hc_mult, ids.device)
     targets = {}
@@ -377,5 +390,5 @@ def indexer_kl(record: IndexRecord) -> torch.Tensor:
         kl = torch.where(valid & (target > 0), target * (target.clamp_min(1e-30).log() - log_q), 0.0)
         terms.append(kl.sum(-1)[rows])
     if not terms:
-        return torch.zeros(())
+        return torch.zeros((), device=record.scores[0].device)
     return torch.cat(terms).mean()

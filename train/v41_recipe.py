@@ -6,7 +6,9 @@ the V4.1 model of train/v41.py: the backbone's next-token loss, the DSpark stage
 (weight --mtp-weight; the release calls the stages `mtp.*`) and confidence loss, the indexers'
 KL, aux-loss-free router balancing. V4.1's numerics are fixed by the model (bf16 activations,
 QAT quantizers), so --precision and --export-dtype do not apply: the export is the release's
-storage. It trains on the CPU (--device is not used).
+storage. It trains on --device (auto: the GPU when there is one); every tensor a step makes
+follows the masters' device, while the batch and anchor draws stay on the host generator, so a
+run's data order does not depend on the device.
 """
 
 from __future__ import annotations
@@ -126,13 +128,14 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> tuple[dict, 
     data = recipe.prepare_data(args, out, work)
     if args.test_data_dir:
         recipe.write_test_data(data.heldout_pages, Path(args.test_data_dir))
-    model = v41.build(v41.geometry(args.geometry, out / "tokenizer.json"), args.seed)
+    device = recipe.training_device(args)
+    model = v41.build(v41.geometry(args.geometry, out / "tokenizer.json"), args.seed, device)
     final = train(model, data, args, log, work)
-    v41.export_checkpoint(out, model)
+    v41.export_checkpoint(out, model)  # host tensors, whatever the training device
     heldout = evaluate_export(out, model, data, args)
     result = {"command": "ringserve train-builtin " + " ".join(argv if argv is not None else sys.argv[1:]),
               "arguments": {k: v for k, v in vars(args).items() if k != "func"}, "corpus": data.corpus_info,
-              "parameters": sum(p.numel() for p in model.params.parameters()), "device": "cpu",
+              "parameters": sum(p.numel() for p in model.params.parameters()), "device": str(device),
               "torch": torch.__version__, "final_training": final, "heldout": heldout,
               "total_time_s": time.perf_counter() - t0}
     (out / "recipe.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -152,7 +152,7 @@ def fp8_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, t
     """fp32 [R, C] → (e4m3 [R, C], E8M0 [ceil(R/bR), ceil(C/bC)]), ragged edge blocks included."""
     r, c = w.shape
     br, bc = block
-    padded = torch.zeros(-(-r // br) * br, -(-c // bc) * bc)
+    padded = torch.zeros(-(-r // br) * br, -(-c // bc) * bc, device=w.device)
     padded[:r, :c] = w
     tiles = padded.view(padded.shape[0] // br, br, padded.shape[1] // bc, bc)
     scale = _pow2_scale(tiles.abs().amax(dim=(1, 3)), 448.0)  # [R/bR, C/bC]

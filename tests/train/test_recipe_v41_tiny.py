@@ -139,3 +139,31 @@ def test_arch_flag_routes_and_keeps_v4_arguments_unchanged():
     assert recipe._split_arch(["out", "--arch", "v4", "--steps", "3"]) == ("v4", ["out", "--steps", "3"])
     assert recipe._split_arch(["out", "--arch=v4"]) == ("v4", ["out"])
     assert recipe._split_arch(["out", "--arch", "v41"]) == ("v41", ["out", "--arch", "v41"])
+
+
+def test_a_training_step_makes_every_tensor_on_the_masters_device(trained):
+    """--device cuda on a CPU machine: every tensor a step creates takes the masters' device, the
+    host-made ones (batch and anchor draws, Engram hashes, RoPE frequencies) say so. With meta as
+    the default device, any tensor made without one is a meta tensor, and meeting a CPU master
+    raises (as a CPU tensor meeting CUDA masters would); the step must still give the CPU bits."""
+    _, _, data, path = trained
+    window = torch.stack([data.train_ids[i: i + 33] for i in (0, 100)])  # [2, 33]
+    results = []
+    for default in ("cpu", "meta"):
+        model = v41.build(v41.geometry("tiny", path / "tokenizer.json"), seed=3)
+        with torch.device(default):
+            loss = v41.losses(model, window, 8, torch.Generator(device="cpu").manual_seed(5), exact=False)
+            (loss.lm + loss.dspark + loss.confidence + loss.kl).backward()
+            v41.update_router_bias(model, loss.router_picks, 1e-3)
+            w = v41_model.effective_weights(model.params)
+            main = v41_model.forward(model.cfg, w, model.hasher, window[:1, :20]).main_hidden
+            draft = v41_dspark.greedy_draft(model.cfg, w, main, int(window[0, 20]))
+        grads = {n: p.grad for n, p in model.params.named_parameters() if p.grad is not None}
+        bias = {n: p.detach().clone() for n, p in model.params.named_parameters() if n.endswith("gate.bias")}
+        results.append((loss, grads, bias, draft))
+    (ref, ref_grads, ref_bias, ref_draft), (got, got_grads, got_bias, got_draft) = results
+    for field in ("lm", "dspark", "confidence", "kl", "dspark_accuracy"):
+        assert torch.equal(getattr(ref, field), getattr(got, field)), field
+    assert ref_grads.keys() == got_grads.keys() and all(torch.equal(ref_grads[n], got_grads[n]) for n in ref_grads)
+    assert all(torch.equal(ref_bias[n], got_bias[n]) for n in ref_bias)
+    assert ref_draft[0] == got_draft[0] and torch.equal(ref_draft[1], got_draft[1])
