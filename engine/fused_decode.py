@@ -137,9 +137,12 @@ class FusedDecoder:
         entry_fmt = "fp32"
         if attn.compressor is not None:
             entry_pool, entry_fmt, entry_slots = self._entries(attn, out, q_out, cos, sin, refs, batch, meta, dtype)
+        # StepMeta's window and visible-entry tables are shared by a sequence's rows (one slot per
+        # column): a verify step reads those records once per sequence, not once per token
         o = kernels.sparse_mla_decode(qh.view(b, q, cfg.num_heads, -1), attn.attn_sink, window_pool, window_fmt,
                                       meta.window_slots, entry_pool, entry_fmt, entry_slots, new_kv=kv,
-                                      scale=cfg.head_dim**-0.5)  # [B, q, H, hd] fp32
+                                      scale=cfg.head_dim**-0.5, window_shared=True,
+                                      entries_shared=entry_slots is meta.visible.get(attn.ratio))  # [B, q, H, hd] fp32
         o = kernels.norm_rope(o.view(t, cfg.num_heads, -1), 0, None, eps, cos, sin, inverse=True, dtype=dtype)
         low = attn.wo_a(o.view(t, cfg.o_groups, -1)).flatten(1)  # [T, G·o_lora]
         return attn.wo_b(low)

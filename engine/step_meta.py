@@ -23,6 +23,8 @@ class StepMeta:
 
     positions: torch.Tensor  # [B, q] int32
     window_writes: torch.Tensor  # [T] int64: window slots of this step's tokens (padding: the dummy block)
+    # Shared tables (kernels/triton/sparse_mla_decode.py): a column holds one slot for every row
+    # of a sequence, or −1 where that row does not see it.
     window_slots: torch.Tensor  # [B, q, W−1] int32: positions start−W+1 .. start−1 inside each query's window
     full_table: torch.Tensor  # [B, F] int32
     rows: dict[int, torch.Tensor] = field(default_factory=dict)  # span → [B, span−1+q] compressor-state slots

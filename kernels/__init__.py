@@ -212,10 +212,14 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor, fmt
 def sparse_mla_decode(q: torch.Tensor, sink: torch.Tensor, window_pool: torch.Tensor, window_fmt: str,
                       window_slots: torch.Tensor, entry_pool: torch.Tensor | None = None, entry_fmt: str = "fp32",
                       entry_slots: torch.Tensor | None = None, new_kv: torch.Tensor | None = None,
-                      scale: float | None = None) -> torch.Tensor:
-    """Sink attention over window + picked entries (+ the step's keys) read from the pools."""
+                      scale: float | None = None, window_shared: bool = False,
+                      entries_shared: bool = False) -> torch.Tensor:
+    """Sink attention over window + picked entries (+ the step's keys) read from the pools; a
+    `*_shared` table holds one slot per column for all of a sequence's rows (read once per
+    sequence: kernels/triton/sparse_mla_decode.py)."""
     return _decode_impl("sparse_mla_decode", "sparse_mla_decode", q=q, window_pool=window_pool).sparse_mla_decode(
-        q, sink, window_pool, window_fmt, window_slots, entry_pool, entry_fmt, entry_slots, new_kv, scale)
+        q, sink, window_pool, window_fmt, window_slots, entry_pool, entry_fmt, entry_slots, new_kv, scale,
+        window_shared=window_shared, entries_shared=entries_shared)
 
 
 def gather_rows(x: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:

@@ -15,7 +15,7 @@ nonzero) are counted.
 
 KV bytes: what the step's reads touch (static: aten index on pool storage and kernels.* gathers
 by slot count, bucket-padded; fused: the slots each kernel's tables mark valid, once per
-program that reads them) against the records the step needs (per sequence: the window records
+program that reads them, a shared attention table once per sequence) against the records the step needs (per sequence: the window records
 before the step, its top-k / visible entries, its index keys, the history rows of the compressor
 spans it completes; each once). Weight bytes: per GEMM launch the weight it reads (a grouped
 GEMM: the experts that got rows), against the model's stored weight bytes.
@@ -209,11 +209,28 @@ def _with_weight_bytes(fn, counter, grouped: bool = False):
     return run
 
 
+def _table_reads(slots: torch.Tensor, shared: bool) -> int:
+    """Records one program reads from a [B, q, N] table: a shared table's columns any row sees,
+    once per sequence; a per-row table every valid slot."""
+    return int((slots >= 0).any(dim=1).sum()) if shared else _valid(slots)
+
+
 def _attention_traffic(counter):
-    def traffic(q, sink, wpool, wfmt, wslots, epool=None, efmt="fp32", eslots=None, *a, **kw):
-        counter.read["fused"] += _valid(wslots) * _record_bytes(wpool)
-        if epool is not None and eslots is not None:
-            counter.read["fused"] += _valid(eslots) * _record_bytes(epool)
+    """Records per program (the KV bytes line), and with each sequence's head blocks (what the
+    L2 serves), beside the same for per-token programs of 16 heads (the kernel before shared tables)."""
+    from kernels.triton.sparse_mla_decode import program_shape
+
+    def traffic(q, sink, wpool, wfmt, wslots, epool=None, efmt="fp32", eslots=None, *a, window_shared=False,
+                entries_shared=False, **kw):
+        heads = q.shape[2]
+        blocks, per_token_blocks = -(-heads // program_shape(q.shape[1])[1]), -(-heads // 16)
+        for pool, slots, shared in ((wpool, wslots, window_shared), (epool, eslots, entries_shared)):
+            if pool is None or slots is None:
+                continue
+            rec = _record_bytes(pool)
+            counter.read["fused"] += _table_reads(slots, shared) * rec
+            counter.read["attention_l2"] += _table_reads(slots, shared) * rec * blocks
+            counter.read["attention_l2_per_token"] += _valid(slots) * rec * per_token_blocks
     return traffic
 
 
@@ -379,6 +396,9 @@ def report(model, cache: KVCache, rows: list[StepSeq], q: int, counts: dict[str,
     print(f"  read    static {static_read:>12,d} ({static_read / need:.2f}x)   fused {fused_read:>12,d} "
           f"({fused_read / need:.2f}x)")
     print(f"  written static {st.written['step']:>12,d}   fused {fu.written['step'] + fu.written['fused']:>12,d}")
+    l2, l2_token = fu.read["attention_l2"], fu.read["attention_l2_per_token"]
+    print(f"  attention reads with every head block: {l2:,d}; per-token programs of 16 heads would read "
+          f"{l2_token:,d} ({l2 / max(l2_token, 1):.2f}x)")
     stored = stored_weights(model)
     print(f"weight bytes read this step: static {st.weights_read:,d}, fused {fu.weights_read:,d} "
           f"(stored {stored:,d}; fused reads {fu.weights_read / stored:.2f}x of it)")

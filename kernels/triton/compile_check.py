@@ -109,12 +109,16 @@ def cases(small: bool):
     out = []
     # On a GPU the attention wants bf16 operands at D = 512 (fp32 "ieee" dots spill); small: the tests' mode.
     precisions = ("ieee",) if small else ("bf16", "ieee")
-    for wf, ef in (("fp8_ds_mla", "fp4_kv"), ("fp8_ds_mla", "fp8_ds_mla"), ("bf16", "bf16")):
-        for prec in precisions[: 1 if wf == "bf16" else 2]:
-            out.append((f"sparse_mla_decode {wf}/{ef} D={d} {prec}", lambda wf=wf, ef=ef, prec=prec: sparse_mla_decode(
-                _meta(b, 1, h, d, dtype=torch.bfloat16), _meta(h), _pool(wf, d, 64, 256), wf,
-                _meta(b, 1, w, dtype=i32), _pool(ef, d, 64, 64), ef, _meta(b, 1, k, dtype=i32),
-                new_kv=_meta(b, 1, d, dtype=torch.bfloat16), precision=prec)))
+    # q = 1 decode, then a verify step of 1 + 3 drafts (its tokens fold into the program's rows:
+    # M = 64); the engine's tables: window shared, CSA top-k per row.
+    for q in (1,) if small else (1, 4):
+        for wf, ef in (("fp8_ds_mla", "fp4_kv"), ("fp8_ds_mla", "fp8_ds_mla"), ("bf16", "bf16")):
+            for prec in precisions[: 1 if wf == "bf16" else 2]:
+                out.append((f"sparse_mla_decode q={q} {wf}/{ef} D={d} {prec}",
+                            lambda q=q, wf=wf, ef=ef, prec=prec: sparse_mla_decode(
+                                _meta(b, q, h, d, dtype=torch.bfloat16), _meta(h), _pool(wf, d, 64, 256), wf,
+                                _meta(b, q, w, dtype=i32), _pool(ef, d, 64, 64), ef, _meta(b, q, k, dtype=i32),
+                                new_kv=_meta(b, q, d, dtype=torch.bfloat16), precision=prec, window_shared=True)))
     out.append((f"indexer_topk fp4_index dI={di} k={topk}", lambda: indexer_topk(
         _meta(b, 1, hi, di), _meta(b, 1, hi), _pool("fp4_index", di, 64, 64), "fp4_index",
         _meta(b, e_blocks, dtype=i32), _meta(b, dtype=i32), _meta(b, 1, dtype=i32), 4, topk)))

@@ -6,15 +6,24 @@ are not in a pool yet (causal within the step). K = V: one latent vector per key
 s_h joins the softmax denominator only: p = e^l / (Σ e^l + e^{s_h}), l = q·k / √D.
 
 The kernel reads records straight from the pools by slot and dequantizes them in registers
-(``kv_codec.load_keys``); no gathered or dequantized copy is ever written. One program owns
-one query token and BLOCK_H heads, streaming key blocks of BLOCK_N through an online softmax
+(``kv_codec.load_keys``); no gathered or dequantized copy is ever written. One program owns one
+sequence's q query tokens for BLOCK_H heads: its tile has M = Q_PAD·BLOCK_H rows (row r is token
+r // BLOCK_H, head r % BLOCK_H), and it streams key blocks of BLOCK_N through an online softmax
 seeded with the sink (m = s_h, l = 1), so a row with every key masked returns exactly 0.
+
+A verify step's q tokens read nearly the same records, so a table can be *shared*: every column
+holds one slot for all of a sequence's rows, or −1 where a row does not see it (the window:
+positions start−W+1 .. start−1, a later token seeing a suffix; HCA's visible entries). A shared
+table's block is loaded once for the q rows (the union slot of a column is its largest entry) and
+masked per row. A per-row table (CSA's top-k picks) is read row by row, the other rows masked.
+Either way a row meets its own keys in its table's column order with masked keys as exact no-ops
+(α = 1, p = 0), so per-row and shared reads of the same keys give the same bits.
 
 Layouts: q [B, q, H, D] (any float dtype); sink [H]; window/entry pools [blocks, R, record]
 (``kv_codec`` formats); window_slots [B, q, W], entry_slots [B, q, K] int32/int64, -1 masked;
-new_kv [B, q, D] (query j sees new keys 0..j). Output fp32 [B, q, H, D].
-Cost per query token: (W + K + q) · record_bytes read once per head block (⌈H / BLOCK_H⌉ times,
-L2-resident after the first), 4·(W + K + q)·H·D FLOPs.
+new_kv [B, q, D] (query j sees new keys 0..j; shared by nature). Output fp32 [B, q, H, D].
+Records read per sequence and head block: W + K + q with shared tables, q·(W + K) + q per row
+(the head blocks after the first find them in L2); FLOPs 4·M·D per key a program streams.
 """
 from __future__ import annotations
 
@@ -26,6 +35,11 @@ import triton.language as tl
 
 from kernels import reference
 from kernels.triton import kv_codec
+
+# M = tokens × heads of one program; a verify step folds its tokens into M. At D = 512 on sm_90a
+# (bf16 dots, 8 warps) M = 16 compiles to 255 regs / 52 B spill, M = 32 to 255 regs / ~1.3 KB,
+# M = 64 (16 warps) to 128 regs / ~6 KB: `python -m kernels.triton.compile_check`.
+ROWS_PER_PROGRAM = 32
 
 
 @triton.jit
@@ -46,59 +60,100 @@ def _dot(a, b, PRECISION: tl.constexpr, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def _attend_block(q, k, valid, m_i, l_i, acc, scale, PRECISION: tl.constexpr, EMULATE: tl.constexpr):
-    """One online-softmax step over keys k [N, D] (valid [N]) for q [BH, D]."""
-    s = _dot(q, tl.trans(k), PRECISION, EMULATE) * scale                 # [BH, N]
-    s = tl.where(valid[None, :], s, float("-inf"))
+def _attend_block(q, k, valid, m_i, l_i, acc, bad, scale, PRECISION: tl.constexpr, EMULATE: tl.constexpr):
+    """One online-softmax step over keys k [N, D] for q [M, D]; valid [M, N] per row and key.
+
+    The rows of a tile see different keys of one block, and a masked row's p = 0 times a NaN key
+    would still be NaN: a non-finite key enters the dots as 0 and marks only the rows that see
+    it `bad` (they end NaN, as reading it makes any row)."""
+    finite = tl.abs(k) < float("inf")                                    # False for ±Inf and NaN
+    bad = bad | (tl.sum((valid & (tl.min(finite.to(tl.int32), axis=1) == 0)[None, :]).to(tl.int32), axis=1) > 0)
+    k = tl.where(finite, k, 0.0)
+    s = _dot(q, tl.trans(k), PRECISION, EMULATE) * scale                 # [M, N]
+    s = tl.where(valid, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp(m_i - m_new)
     p = tl.exp(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + _dot(p, k, PRECISION, EMULATE)
-    return m_new, l_i, acc
+    return m_new, l_i, acc, bad
+
+
+@triton.jit
+def _per_row(rv, Q_PAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[Q_PAD, N] per token → [M, N] per tile row (every head of a token alike)."""
+    return tl.reshape(tl.broadcast_to(rv[:, None, :], (Q_PAD, BLOCK_H, BLOCK_N)), (Q_PAD * BLOCK_H, BLOCK_N))
+
+
+@triton.jit
+def _attend_table(q, token, m_i, l_i, acc, bad, scale, pool, slots_ptr, seq, Q, N_COLS,
+                  SHARED: tl.constexpr, D: tl.constexpr, Q_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
+                  BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, EMULATE: tl.constexpr,
+                  FMT: tl.constexpr, R: tl.constexpr, REC: tl.constexpr, DATA: tl.constexpr,
+                  SCALES: tl.constexpr, NOPE: tl.constexpr, GROUP: tl.constexpr):
+    """Stream one slot table [B, Q, N_COLS] of sequence `seq` into the softmax state."""
+    n = tl.arange(0, BLOCK_N)
+    t = tl.arange(0, Q_PAD)
+    rows = (seq * Q + t).to(tl.int64)                                       # [Q_PAD] table rows
+    if SHARED:
+        for start in range(0, N_COLS, BLOCK_N):
+            idx = start + n
+            tile = tl.load(slots_ptr + rows[:, None] * N_COLS + idx[None, :],
+                           mask=(t[:, None] < Q) & (idx[None, :] < N_COLS), other=-1)  # [Q_PAD, N]
+            union = tl.max(tile, axis=0)                                    # a column's one slot, or −1
+            k = kv_codec.load_keys(pool, union, union >= 0, D, FMT, R, REC, DATA, SCALES, NOPE, GROUP)
+            valid = _per_row(tile >= 0, Q_PAD, BLOCK_H, BLOCK_N)
+            m_i, l_i, acc, bad = _attend_block(q, k, valid, m_i, l_i, acc, bad, scale, PRECISION, EMULATE)
+    else:
+        for j in tl.static_range(Q_PAD):
+            if j < Q:
+                for start in range(0, N_COLS, BLOCK_N):
+                    idx = start + n
+                    slots = tl.load(slots_ptr + (seq * Q + j).to(tl.int64) * N_COLS + idx, mask=idx < N_COLS,
+                                    other=-1)
+                    k = kv_codec.load_keys(pool, slots, slots >= 0, D, FMT, R, REC, DATA, SCALES, NOPE, GROUP)
+                    valid = (token == j)[:, None] & (slots >= 0)[None, :]
+                    m_i, l_i, acc, bad = _attend_block(q, k, valid, m_i, l_i, acc, bad, scale, PRECISION, EMULATE)
+    return m_i, l_i, acc, bad
 
 
 @triton.jit
 def _sparse_mla_decode_kernel(
         q_ptr, sink_ptr, out_ptr, win_pool, win_slots, W, ent_pool, ent_slots, K, new_ptr, Q, H, scale,
-        D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HAS_NEW: tl.constexpr,
+        D: tl.constexpr, Q_PAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+        HAS_NEW: tl.constexpr, W_SHARED: tl.constexpr, E_SHARED: tl.constexpr,
         PRECISION: tl.constexpr, EMULATE: tl.constexpr,
         W_FMT: tl.constexpr, W_R: tl.constexpr, W_REC: tl.constexpr, W_DATA: tl.constexpr,
         W_SCALES: tl.constexpr, W_NOPE: tl.constexpr, W_GROUP: tl.constexpr,
         E_FMT: tl.constexpr, E_R: tl.constexpr, E_REC: tl.constexpr, E_DATA: tl.constexpr,
         E_SCALES: tl.constexpr, E_NOPE: tl.constexpr, E_GROUP: tl.constexpr):
-    row = tl.program_id(0)                                                   # b·q + t
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    hmask = heads < H
+    seq = tl.program_id(0)
+    r = tl.arange(0, Q_PAD * BLOCK_H)                                        # tile rows
+    token = r // BLOCK_H
+    heads = tl.program_id(1) * BLOCK_H + r % BLOCK_H
+    live = (token < Q) & (heads < H)
     cols = tl.arange(0, D)
-    q_off = (row.to(tl.int64) * H + heads)[:, None] * D + cols[None, :]
-    q = tl.load(q_ptr + q_off, mask=hmask[:, None], other=0.0).to(tl.float32)  # [BH, D]
-    m_i = tl.load(sink_ptr + heads, mask=hmask, other=0.0).to(tl.float32)      # the sink seeds the max ...
-    l_i = tl.full([BLOCK_H], 1.0, tl.float32)                                  # ... and adds e^0 = 1
-    acc = tl.zeros([BLOCK_H, D], tl.float32)
-    n = tl.arange(0, BLOCK_N)
-    for start in range(0, W, BLOCK_N):
-        idx = start + n
-        slots = tl.load(win_slots + row.to(tl.int64) * W + idx, mask=idx < W, other=-1)
-        valid = slots >= 0
-        k = kv_codec.load_keys(win_pool, slots, valid, D, W_FMT, W_R, W_REC, W_DATA, W_SCALES, W_NOPE, W_GROUP)
-        m_i, l_i, acc = _attend_block(q, k, valid, m_i, l_i, acc, scale, PRECISION, EMULATE)
-    for start in range(0, K, BLOCK_N):
-        idx = start + n
-        slots = tl.load(ent_slots + row.to(tl.int64) * K + idx, mask=idx < K, other=-1)
-        valid = slots >= 0
-        k = kv_codec.load_keys(ent_pool, slots, valid, D, E_FMT, E_R, E_REC, E_DATA, E_SCALES, E_NOPE, E_GROUP)
-        m_i, l_i, acc = _attend_block(q, k, valid, m_i, l_i, acc, scale, PRECISION, EMULATE)
+    q_off = ((seq * Q + token).to(tl.int64) * H + heads)[:, None] * D + cols[None, :]
+    q = tl.load(q_ptr + q_off, mask=live[:, None], other=0.0).to(tl.float32)  # [M, D]
+    m_i = tl.load(sink_ptr + heads, mask=heads < H, other=0.0).to(tl.float32)  # the sink seeds the max ...
+    l_i = tl.full([Q_PAD * BLOCK_H], 1.0, tl.float32)                          # ... and adds e^0 = 1
+    acc = tl.zeros([Q_PAD * BLOCK_H, D], tl.float32)
+    bad = r < 0                                                              # rows that read a non-finite key
+    m_i, l_i, acc, bad = _attend_table(q, token, m_i, l_i, acc, bad, scale, win_pool, win_slots, seq, Q, W, W_SHARED, D,
+                                  Q_PAD, BLOCK_H, BLOCK_N, PRECISION, EMULATE,
+                                  W_FMT, W_R, W_REC, W_DATA, W_SCALES, W_NOPE, W_GROUP)
+    m_i, l_i, acc, bad = _attend_table(q, token, m_i, l_i, acc, bad, scale, ent_pool, ent_slots, seq, Q, K, E_SHARED, D,
+                                  Q_PAD, BLOCK_H, BLOCK_N, PRECISION, EMULATE,
+                                  E_FMT, E_R, E_REC, E_DATA, E_SCALES, E_NOPE, E_GROUP)
     if HAS_NEW:
-        first = (row // Q) * Q                                               # row of token 0 of this sequence
-        t = row - first
+        n = tl.arange(0, BLOCK_N)
         for start in range(0, Q, BLOCK_N):
             j = start + n
-            valid = j <= t                                                  # causal within the step
-            k = tl.load(new_ptr + (first + j).to(tl.int64)[:, None] * D + cols[None, :], mask=valid[:, None],
+            k = tl.load(new_ptr + (seq * Q + j).to(tl.int64)[:, None] * D + cols[None, :], mask=(j < Q)[:, None],
                         other=0.0).to(tl.float32)
-            m_i, l_i, acc = _attend_block(q, k, valid, m_i, l_i, acc, scale, PRECISION, EMULATE)
-    tl.store(out_ptr + q_off, acc / l_i[:, None], mask=hmask[:, None])
+            valid = (j[None, :] <= token[:, None]) & (j < Q)[None, :]        # causal within the step
+            m_i, l_i, acc, bad = _attend_block(q, k, valid, m_i, l_i, acc, bad, scale, PRECISION, EMULATE)
+    tl.store(out_ptr + q_off, tl.where(bad[:, None], float("nan"), acc / l_i[:, None]), mask=live[:, None])
 
 
 def _check(q: torch.Tensor, sink: torch.Tensor, window_slots: torch.Tensor, entry_slots: torch.Tensor | None,
@@ -113,16 +168,28 @@ def _check(q: torch.Tensor, sink: torch.Tensor, window_slots: torch.Tensor, entr
         raise ValueError(f"new_kv must be [{b}, {t}, {q.shape[-1]}], got {tuple(new_kv.shape)}")
 
 
+def program_shape(tokens: int) -> tuple[int, int]:
+    """(Q_PAD, BLOCK_H) for q tokens per sequence: M = Q_PAD·BLOCK_H ≤ ROWS_PER_PROGRAM rows (more
+    for q > 32), at least 16 (tl.dot's smallest M), at most 16 heads. A shared table is read once
+    per (sequence, head block): ⌈H / BLOCK_H⌉ times, against q·⌈H / 16⌉ for per-token programs."""
+    q_pad = triton.next_power_of_2(max(tokens, 1))
+    return q_pad, max(1, min(16, ROWS_PER_PROGRAM // q_pad))
+
+
 def sparse_mla_decode(q: torch.Tensor, sink: torch.Tensor, window_pool: torch.Tensor, window_fmt: str,
                       window_slots: torch.Tensor, entry_pool: torch.Tensor | None = None, entry_fmt: str = "fp32",
                       entry_slots: torch.Tensor | None = None, new_kv: torch.Tensor | None = None,
-                      scale: float | None = None, precision: str = "ieee", block_n: int = 16) -> torch.Tensor:
+                      scale: float | None = None, precision: str = "ieee", block_n: int = 16,
+                      window_shared: bool = False, entries_shared: bool = False) -> torch.Tensor:
     """Sink attention of q [B, q, H, D] over window + entry records (+ new_kv) -> fp32 [B, q, H, D].
 
     ``precision``: tl.dot's input_precision "ieee" (fp32 products; register-hungry FMA dots on a
     GPU), "tf32x3" (~fp32 accuracy on tensor cores), "tf32" (~1e-3 relative), or "bf16" (bf16
     operands, see _dot; the only mode without register spills at D = 512). ``entry_pool`` None
-    (or K = 0) attends the window only.
+    (or K = 0) attends the window only. ``window_shared`` / ``entries_shared``: the table is
+    shared across each sequence's rows (module docstring) and read once per sequence; a table
+    that is not shared gives wrong results under the flag, so only the step's own builders
+    (engine/step_meta.py) set it.
     """
     _check(q, sink, window_slots, entry_slots, new_kv)
     b, t, h, d = q.shape
@@ -133,16 +200,18 @@ def sparse_mla_decode(q: torch.Tensor, sink: torch.Tensor, window_pool: torch.Te
     else:
         ea = kv_codec.pool_args(entry_pool, entry_fmt, d)
     out = torch.empty(b, t, h, d, dtype=torch.float32, device=q.device)
-    block_h = 16
-    grid = (b * t, triton.cdiv(h, block_h))
+    q_pad, block_h = program_shape(t)
+    rows = q_pad * block_h
+    grid = (b, triton.cdiv(h, block_h))
     new = new_kv.contiguous() if new_kv is not None else q
     _sparse_mla_decode_kernel[grid](
         q.contiguous(), sink.float().contiguous(), out, window_pool, window_slots.contiguous(), window_slots.shape[-1],
         entry_pool, entry_slots.contiguous(), entry_slots.shape[-1], new, t, h,
-        d**-0.5 if scale is None else scale, D=d, BLOCK_H=block_h, BLOCK_N=block_n, HAS_NEW=new_kv is not None,
+        d**-0.5 if scale is None else scale, D=d, Q_PAD=q_pad, BLOCK_H=block_h, BLOCK_N=block_n,
+        HAS_NEW=new_kv is not None, W_SHARED=window_shared, E_SHARED=entries_shared,
         PRECISION=precision, EMULATE=os.environ.get("TRITON_INTERPRET") == "1",
         **kv_codec.pool_constexprs(wa, "W_"), **kv_codec.pool_constexprs(ea, "E_"),
-        num_warps=8 if d >= 256 else 4)  # q, acc and a key tile are each BLOCK_H·D or BLOCK_N·D fp32
+        num_warps=max(4, min(8, rows * d // 1024)))  # q and acc are each M·D fp32 in registers
     return out
 
 
@@ -163,8 +232,10 @@ def sparse_mla_decode_reference(q: torch.Tensor, sink: torch.Tensor, window_pool
                                 window_slots: torch.Tensor, entry_pool: torch.Tensor | None = None,
                                 entry_fmt: str = "fp32", entry_slots: torch.Tensor | None = None,
                                 new_kv: torch.Tensor | None = None, scale: float | None = None,
-                                precision: str = "ieee", block_n: int = 16) -> torch.Tensor:
-    """Plain gather, dequantize and softmax over [window | entries | new | sink]."""
+                                precision: str = "ieee", block_n: int = 16, window_shared: bool = False,
+                                entries_shared: bool = False) -> torch.Tensor:
+    """Plain gather, dequantize and softmax over [window | entries | new | sink], row by row (the
+    sharing flags only say how the kernel may read: the answer is the same)."""
     _check(q, sink, window_slots, entry_slots, new_kv)
     b, t, h, d = q.shape
     scale = d**-0.5 if scale is None else scale

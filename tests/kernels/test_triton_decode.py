@@ -152,6 +152,60 @@ def test_sparse_mla_decode_padding_rows_change_nothing():
     assert torch.equal(out[2:], torch.zeros_like(out[2:]))
 
 
+def _shared_case(window_fmt: str, entry_fmt: str, b: int, q: int, h: int, d: int = 128, seed: int = 0):
+    """Tables laid out as engine/step_meta.py lays them: one slot per column for all of a
+    sequence's rows. The window's columns are positions start−W+1 .. start−1, token t seeing
+    columns ≥ t (history before the sequence began: −1 for every row); HCA's entries a prefix
+    that grows by one every few tokens (token t sees n_b + t // 2 of them, n_b from 0)."""
+    g = torch.Generator().manual_seed(seed)
+    per_block, blocks = 4, 12
+    wpool = make_pool(window_fmt, torch.randn(blocks * per_block, d, generator=g), per_block)
+    epool = make_pool(entry_fmt, torch.randn(blocks * per_block, d, generator=g), per_block)
+    width = BLOCK_N + 3  # two key blocks, the second partial
+    cols = torch.arange(width)
+    t = torch.arange(q)[:, None]
+
+    def table(sees: torch.Tensor) -> torch.Tensor:  # sees [B, q, width] bool
+        slots = torch.stack([torch.randperm((blocks - 1) * per_block, generator=g)[:width] for _ in range(b)])
+        slots = slots[:, None, :] + per_block  # [B, 1, width] distinct within a sequence
+        return torch.where(sees, slots, -1)  # block 0 is the dummy
+
+    history = torch.tensor([0, 3, width, 11, 7, 1])[:b]  # columns that hold a position of the sequence
+    window = table((cols >= t) & (cols >= width - history.view(b, 1, 1)))
+    seen = torch.tensor([0, 5, BLOCK_N, 2, 9, 17])[:b].view(b, 1, 1) + t // 2
+    entries = table(cols < seen)
+    return dict(q=torch.randn(b, q, h, d, generator=g), sink=torch.randn(h, generator=g), window_pool=wpool,
+                window_fmt=window_fmt, window_slots=window, entry_pool=epool, entry_fmt=entry_fmt, entry_slots=entries,
+                new_kv=torch.randn(b, q, d, generator=g))
+
+
+@pytest.mark.parametrize("q,h", [(1, 20), (2, 5), (3, 20), (5, 12)])  # M = 16, 32, 32 (8 heads), 32 (4 heads)
+@pytest.mark.parametrize("window_fmt,entry_fmt", [("fp32", "fp32"), ("fp8_ds_mla", "fp4_kv")])
+def test_sparse_mla_decode_shared_tables_read_once_per_sequence(q, h, window_fmt, entry_fmt):
+    """A verify step's tokens in one program: shared window and entry tables read per sequence
+    give the reference's answer, and the same bits as reading the same tables row by row."""
+    case = _shared_case(window_fmt, entry_fmt, b=4, q=q, h=h)
+    shared = sparse_mla_decode(**case, window_shared=True, entries_shared=True)
+    assert torch.isfinite(shared).all()
+    assert same(shared, sparse_mla_decode_reference(**case))
+    assert torch.equal(shared, sparse_mla_decode(**case))  # per-row reads of the same tables
+    mixed = sparse_mla_decode(**case, window_shared=True)  # the CSA layout: window shared, top-k per row
+    assert torch.equal(mixed, shared)
+
+
+def test_sparse_mla_decode_nan_in_a_shared_column_stays_in_the_rows_that_see_it():
+    """The oldest window column is token 0's only: a NaN record there makes token 0 NaN and no
+    other row (a masked row's p = 0 must not meet the NaN in the shared dot), as the reference."""
+    case = _shared_case("fp32", "fp8_ds_mla", b=3, q=3, h=4)
+    clean = sparse_mla_decode(**case, window_shared=True, entries_shared=True)
+    slot = case["window_slots"][2, 0, 0].item()  # sequence 2 (a full window), token 0, column 0
+    assert slot >= 0 and (case["window_slots"][2, 1:, 0] < 0).all()
+    case["window_pool"].view(-1, case["q"].shape[-1])[slot] = float("nan")
+    out = sparse_mla_decode(**case, window_shared=True, entries_shared=True)
+    assert same(out, sparse_mla_decode_reference(**case))
+    assert out[2, 0].isnan().all() and torch.equal(out[2, 1:], clean[2, 1:]) and torch.equal(out[:2], clean[:2])
+
+
 # ---- indexer_topk -------------------------------------------------------------------------------
 
 def _index_case(fmt: str, seed: int = 0, hi: int = 4, di: int = 64, per_block: int = 4):

@@ -112,3 +112,5 @@ def test_bench_counts_one_launch_per_fused_kernel(models):
     assert static.syncs == fused.syncs == 0
     need = needed_kv(cache, rows, 2, model.cfg.index_topk)
     assert 0 < fused.read["fused"] <= 1.5 * need < static.read["static"]
+    # the two tokens of a sequence share one attention program: its window read once, not twice
+    assert fused.read["attention_l2"] < 0.75 * fused.read["attention_l2_per_token"]
