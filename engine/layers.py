@@ -12,6 +12,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from kernels.sinkhorn import sinkhorn
+
 from .config import YarnParams
 
 
@@ -116,11 +118,7 @@ def hc_mix_weights(
     pre = torch.sigmoid(pre_w * scale[0] + pre_b) + hc_eps
     post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
     comb = torch.softmax(comb_w.view(-1, n, n) * scale[2] + comb_b.view(n, n), dim=-1) + hc_eps
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
-    for _ in range(sinkhorn_iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
-    return pre, post, comb
+    return pre, post, sinkhorn(comb, sinkhorn_iters, hc_eps)
 
 
 def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.sinkhorn import sinkhorn
+
 from .quant import quantize_fp8
 
 GEMM_K_BLOCK = 32  # quantized GEMMs accumulate one 32-wide K block at a time
@@ -247,11 +249,7 @@ def split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
     comb = (mixes[:, 2 * hc:] * scale[2] + base[2 * hc:]).view(-1, hc, hc)
     comb = exp(comb - comb.amax(-1, keepdim=True))
     comb = comb / comb.sum(-1, keepdim=True) + eps
-    comb = comb / (comb.sum(-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(-2, keepdim=True) + eps)
-    return pre, post, comb
+    return pre, post, sinkhorn(comb, iters, eps)
 
 
 def hc_collapse(stream: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
