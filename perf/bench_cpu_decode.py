@@ -5,10 +5,15 @@ Variants, each an Engine on the same loaded weights (batch B: B prompts of --pro
   fused   weights kept FP8/FP4, decode-sized GEMMs on the fused row kernels (the default)
   tiled   weights kept FP8/FP4, every GEMM on the tiled path (tile decode + sgemm; the old path)
   bf16    `--weight-dtype bf16`: every weight decoded once at load (2-4x the weight memory)
+  loop    as fused, with mHC's Sinkhorn as the torch loop (~120 ops per site) instead of the one
+          numba call of kernels/sinkhorn.py
+  static  as fused, decode steps on the static-shape fused forward (`--static-decode`:
+          engine/fused_decode.py with kernels/cpu_decode.py) instead of the per-sequence path
 Rounds interleave the variants (fused, tiled, bf16, fused, …) so a busy neighbour slows them
-alike; medians over --rounds. Ratios are tiled / fused and bf16 / fused (> 1: fused is faster).
+alike; medians over --rounds. Ratios are variant / fused (> 1: fused is faster).
 
     python perf/bench_cpu_decode.py --model-dir .peer-cache/models/v4-tiny6 [--batch 1 16] [--threads 1]
+        [--variants fused tiled bf16 loop]
 """
 
 from __future__ import annotations
@@ -16,7 +21,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -24,17 +31,18 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.weights import load_model
 from ipc.messages import SamplingParams
-from kernels import cpu_quant_gemm
+from kernels import cpu_quant_gemm, sinkhorn
 from perf.bench_quant_gemm import tiled
 from perf.machine import header, set_cpu_threads
 
 
-def step_ms(model, batch: int, prompt_len: int, steps: int) -> float:
+def step_ms(model, batch: int, prompt_len: int, steps: int, static: bool = False) -> float:
     """ms per decode step after the prompts' prefill (one measurement)."""
     engine = Engine(model, EngineConfig(max_num_seqs=batch, max_num_batched_tokens=batch * prompt_len,
                                         num_kv_blocks=batch * (-(-(prompt_len + steps) // 256) + 2) + 4,
                                         block_size=256, speculative_tokens=0,
-                                        max_model_len=prompt_len + steps + 8))
+                                        max_model_len=prompt_len + steps + 8, static_decode=static,
+                                        cuda_graph_sizes=(batch,) if static else ()))
     g = torch.Generator().manual_seed(batch)
     for i in range(batch):
         prompt = torch.randint(3, model.cfg.vocab_size - 1, (prompt_len,), generator=g).tolist()
@@ -47,9 +55,22 @@ def step_ms(model, batch: int, prompt_len: int, steps: int) -> float:
     return 1000 * (time.perf_counter() - t0) / max(n, 1)
 
 
+@contextmanager
+def sinkhorn_torch_loop():
+    """kernels/sinkhorn.py's CPU kernel replaced by the torch loop it stands for."""
+    def loop(src, dst, iters, eps):
+        dst[...] = sinkhorn.sinkhorn_reference(torch.from_numpy(src), iters, eps).numpy()
+    with mock.patch.object(sinkhorn, "_sinkhorn_kernel", loop):
+        yield
+
+
 def run_variant(name: str, models: dict, batch: int, args) -> float:
     def run() -> float:
-        return step_ms(models["bf16" if name == "bf16" else "auto"], batch, args.prompt_len, args.steps)
+        return step_ms(models["bf16" if name == "bf16" else "auto"], batch, args.prompt_len, args.steps,
+                       static=name == "static")
+    if name == "loop":
+        with sinkhorn_torch_loop():
+            return run()
     return tiled(run)() if name == "tiled" else run()
 
 
@@ -61,14 +82,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--variants", nargs="+", default=["fused", "tiled", "bf16", "loop", "static"],
+                        choices=["fused", "tiled", "bf16", "loop", "static"], help="fused is always run (the baseline)")
     args = parser.parse_args()
     print(header("bench_cpu_decode"), flush=True)
     set_cpu_threads(args.threads)
-    models = {wd: load_model(args.model_dir, progress=False, weight_dtype=wd) for wd in ("auto", "bf16")}
-    variants = ("fused", "tiled", "bf16")
+    variants = ["fused"] + [v for v in dict.fromkeys(args.variants) if v != "fused"]
+    models = {wd: load_model(args.model_dir, progress=False, weight_dtype=wd)
+              for wd in ("auto", "bf16") if wd == "auto" or "bf16" in variants}
     print(f"# {args.model_dir}; {args.threads} thread(s); prompt {args.prompt_len}, {args.steps} steps, "
           f"median of {args.rounds} interleaved rounds; GEMV_MAX_ROWS={cpu_quant_gemm.GEMV_MAX_ROWS}")
-    print(f"{'batch':>5s} {'fused ms':>9s} {'tiled ms':>9s} {'bf16 ms':>9s} {'tiled/fused':>12s} {'bf16/fused':>11s}")
+    others = variants[1:]
+    print(f"{'batch':>5s} " + " ".join(f"{v + ' ms':>9s}" for v in variants) + " "
+          + " ".join(f"{v + '/fused':>11s}" for v in others))
     for batch in args.batch:
         for name in variants:                                # warm-up: numba cache, allocator
             run_variant(name, models, batch, argparse.Namespace(prompt_len=args.prompt_len, steps=2))
@@ -77,8 +103,8 @@ def main() -> None:
             for name in variants:
                 times[name].append(run_variant(name, models, batch, args))
         med = {v: statistics.median(t) for v, t in times.items()}
-        print(f"{batch:5d} {med['fused']:9.1f} {med['tiled']:9.1f} {med['bf16']:9.1f} "
-              f"{med['tiled'] / med['fused']:11.2f}x {med['bf16'] / med['fused']:10.2f}x", flush=True)
+        print(f"{batch:5d} " + " ".join(f"{med[v]:9.1f}" for v in variants) + " "
+              + " ".join(f"{med[v] / med['fused']:10.2f}x" for v in others), flush=True)
 
 
 if __name__ == "__main__":
