@@ -21,9 +21,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from unittest import mock
 
 import torch
 
@@ -55,21 +53,12 @@ def step_ms(model, batch: int, prompt_len: int, steps: int, static: bool = False
     return 1000 * (time.perf_counter() - t0) / max(n, 1)
 
 
-@contextmanager
-def sinkhorn_torch_loop():
-    """kernels/sinkhorn.py's CPU kernel replaced by the torch loop it stands for."""
-    def loop(src, dst, iters, eps):
-        dst[...] = sinkhorn.sinkhorn_reference(torch.from_numpy(src), iters, eps).numpy()
-    with mock.patch.object(sinkhorn, "_sinkhorn_kernel", loop):
-        yield
-
-
 def run_variant(name: str, models: dict, batch: int, args) -> float:
     def run() -> float:
         return step_ms(models["bf16" if name == "bf16" else "auto"], batch, args.prompt_len, args.steps,
                        static=name == "static")
     if name == "loop":
-        with sinkhorn_torch_loop():
+        with sinkhorn.torch_loop():
             return run()
     return tiled(run)() if name == "tiled" else run()
 

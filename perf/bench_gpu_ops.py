@@ -40,6 +40,7 @@ if not torch.cuda.is_available():
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kernels  # noqa: E402
+from kernels import sinkhorn  # noqa: E402
 from engine import fused_decode, linear  # noqa: E402
 from engine.attention import SeqSlice, SequenceContext  # noqa: E402
 from engine.attention_backend import StepSeq  # noqa: E402
@@ -237,7 +238,7 @@ def _attention_traffic(counter):
 def _indexer_traffic(counter):
     def traffic(q, w, pool, fmt, table, lengths, positions, ratio, topk, *a, **kw):
         seen = torch.minimum(lengths[:, None].long(), (positions.long() + 1).clamp(min=0) // ratio)
-        counter.read["fused"] += int(seen.sum()) * _record_bytes(pool)
+        counter.read["fused"] += int(seen.amax(dim=1).sum()) * _record_bytes(pool)  # once per sequence
     return traffic
 
 
@@ -323,7 +324,9 @@ def measure(model, cache: KVCache, rows: list[StepSeq], q: int,
             hooks.append(model.layers[-1].register_forward_hook(lambda *a: setattr(counter, "section", "model")))
         else:
             backend.fused.on_layer = lambda i: setattr(counter, "section", "model" if i is None else i)
-        with triton_on_cpu(), instrumented(counter, _kernel_types()), counter:
+        # sinkhorn.torch_loop: the static path's mHC Sinkhorn as CUDA tensors run it (the torch
+        # loop), not the one numba call CPU tensors get
+        with triton_on_cpu(), sinkhorn.torch_loop(), instrumented(counter, _kernel_types()), counter:
             _, result = step.run(model, None)
         for h in hooks:
             h.remove()

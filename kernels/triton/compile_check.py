@@ -119,9 +119,10 @@ def cases(small: bool):
                                 _meta(b, q, h, d, dtype=torch.bfloat16), _meta(h), _pool(wf, d, 64, 256), wf,
                                 _meta(b, q, w, dtype=i32), _pool(ef, d, 64, 64), ef, _meta(b, q, k, dtype=i32),
                                 new_kv=_meta(b, q, d, dtype=torch.bfloat16), precision=prec, window_shared=True)))
-    out.append((f"indexer_topk fp4_index dI={di} k={topk}", lambda: indexer_topk(
-        _meta(b, 1, hi, di), _meta(b, 1, hi), _pool("fp4_index", di, 64, 64), "fp4_index",
-        _meta(b, e_blocks, dtype=i32), _meta(b, dtype=i32), _meta(b, 1, dtype=i32), 4, topk)))
+    for q in (1,) if small else (1, 4):
+        out.append((f"indexer_topk q={q} fp4_index dI={di} k={topk}", lambda q=q: indexer_topk(
+            _meta(b, q, hi, di), _meta(b, q, hi), _pool("fp4_index", di, 64, 64), "fp4_index",
+            _meta(b, e_blocks, dtype=i32), _meta(b, dtype=i32), _meta(b, q, dtype=i32), 4, topk)))
     for m, overlap, dim, fmt in ((4, True, d, "fp8_ds_mla"), (4, True, d, "fp4_kv"), (4, True, di, "fp4_index"),
                                  (8 if small else 128, False, d, "fp8_ds_mla")):
         width = (2 if overlap else 1) * dim

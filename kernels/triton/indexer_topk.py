@@ -8,13 +8,15 @@ visible count. A NaN score ranks as -inf (below every number, above nothing visi
 +0 (so ReLU zeros of either sign tie).
 
 Two launches (the score pass parallel over entry blocks, the selection serial per row):
-1. ``_scores_kernel`` grid (B·q, ⌈E_max / BLOCK_E⌉): keys read straight from the pool (fp4_index
-   dequantized in registers, or raw) through the block table, scores fp32 -> scratch [B·q, E_max];
-   blocks past a row's visible count return at once.
+1. ``_scores_kernel`` grid (B, ⌈E_max / BLOCK_E⌉): keys read straight from the pool (fp4_index
+   dequantized in registers, or raw) through the block table once per sequence and scored for
+   each of its q query rows (a verify step's rows see nearly the same entries), scores fp32 ->
+   scratch [B·q, E_max]; blocks past every row's visible count return at once.
 2. ``_topk_kernel`` grid (B·q,): a running top-KP (KP = next power of two >= k) merged chunk by
    chunk with tl.topk (bitonic) on 64-bit keys (orderable score bits << 31 | (2^31 - 1 - e)), which
    are unique, so the selection is exact and deterministic however chunks fall.
-Cost per query row with n visible entries: reads n·record_bytes (pass 1) + 4n (pass 2), writes 4n;
+Cost per sequence whose widest row sees n entries: reads n·record_bytes (pass 1); per query row
++ 4n (pass 2), writes 4n;
 Hi·dI·n MACs. Pass 2 is serial in n within one program: per CHUNK (default 1024) entries, a
 bitonic top-KP of the chunk and a top-KP merge of 2·KP keys, each ~(N/2)·log2(N)·(log2(N)+1)/2
 compare-swaps on N keys (N = 1024, k = 512: ~28k per network, ~56k per chunk, so ~0.45M for
@@ -43,25 +45,34 @@ def _visible_count(len_ptr, pos_ptr, row, Q, RATIO):
 def _scores_kernel(q_ptr, w_ptr, w_stride, w_scale, pool, table_ptr, len_ptr, pos_ptr, scores_ptr, Q, HI, F, E_MAX,
                    RATIO, scale,
                    DI: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_E: tl.constexpr, PRECISION: tl.constexpr,
+                   Q_PAD: tl.constexpr,
                    FMT: tl.constexpr, R: tl.constexpr, REC: tl.constexpr, DATA: tl.constexpr,
                    SCALES: tl.constexpr, NOPE: tl.constexpr, GROUP: tl.constexpr):
-    row = tl.program_id(0)
+    """One sequence's entry block, scored for each of its q ≤ Q_PAD query rows (an unrolled loop,
+    so the key tile stays in registers): the keys are read once."""
+    seq = tl.program_id(0)
     e0 = tl.program_id(1) * BLOCK_E
-    limit = _visible_count(len_ptr, pos_ptr, row, Q, RATIO)
-    if e0 < limit:
+    widest = _visible_count(len_ptr, pos_ptr, seq * Q, Q, RATIO)
+    for t in tl.static_range(1, Q_PAD):                                          # the rows' largest count
+        if t < Q:
+            widest = tl.maximum(widest, _visible_count(len_ptr, pos_ptr, seq * Q + t, Q, RATIO))
+    if e0 < widest:
         e = e0 + tl.arange(0, BLOCK_E)
-        valid = e < limit
-        block = tl.load(table_ptr + (row // Q).to(tl.int64) * F + e // R, mask=valid, other=0)
+        block = tl.load(table_ptr + seq.to(tl.int64) * F + e // R, mask=e < widest, other=0)
         slots = block.to(tl.int64) * R + e % R
-        keys = kv_codec.load_keys(pool, slots, valid, DI, FMT, R, REC, DATA, SCALES, NOPE, GROUP)  # [BE, dI]
+        keys = kv_codec.load_keys(pool, slots, e < widest, DI, FMT, R, REC, DATA, SCALES, NOPE, GROUP)  # [BE, dI]
         h = tl.arange(0, BLOCK_HI)
-        q = tl.load(q_ptr + (row.to(tl.int64) * HI + h)[:, None] * DI + tl.arange(0, DI)[None, :],
-                    mask=(h < HI)[:, None], other=0.0).to(tl.float32)              # [BHI, dI]
-        w = tl.load(w_ptr + row.to(tl.int64) * w_stride + h, mask=h < HI, other=0.0).to(tl.float32) * w_scale
-        dots = tl.dot(q, tl.trans(keys), input_precision=PRECISION)                 # [BHI, BE]
-        s = tl.where(dots != dots, dots, tl.maximum(dots, 0.0)) * scale          # ReLU keeping NaN
-        score = tl.sum(s * w[:, None], axis=0)                                      # [BE]
-        tl.store(scores_ptr + row.to(tl.int64) * E_MAX + e, score, mask=valid)
+        for t in tl.static_range(Q_PAD):
+            if t < Q:
+                row = seq * Q + t
+                valid = e < _visible_count(len_ptr, pos_ptr, row, Q, RATIO)
+                q = tl.load(q_ptr + (row.to(tl.int64) * HI + h)[:, None] * DI + tl.arange(0, DI)[None, :],
+                            mask=(h < HI)[:, None], other=0.0).to(tl.float32)          # [BHI, dI]
+                w = tl.load(w_ptr + row.to(tl.int64) * w_stride + h, mask=h < HI, other=0.0).to(tl.float32) * w_scale
+                dots = tl.dot(q, tl.trans(keys), input_precision=PRECISION)             # [BHI, BE]
+                s = tl.where(dots != dots, dots, tl.maximum(dots, 0.0)) * scale      # ReLU keeping NaN
+                score = tl.sum(s * w[:, None], axis=0)                                  # [BE]
+                tl.store(scores_ptr + row.to(tl.int64) * E_MAX + e, score, mask=valid)
 
 
 @triton.jit
@@ -140,10 +151,11 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor, fmt
     scores = torch.empty(rows, max(e_max, 1), dtype=torch.float32, device=dev)
     block_e = 16
     block_hi = max(16, triton.next_power_of_2(hi))
-    _scores_kernel[(rows, triton.cdiv(max(e_max, 1), block_e))](
+    _scores_kernel[(b, triton.cdiv(max(e_max, 1), block_e))](
         q.contiguous(), weights, weights.stride(1), float(weight_scale), pool, table, lens, pos, scores, t, hi,
         table.shape[1], e_max, ratio,
-        di**-0.5, DI=di, BLOCK_HI=block_hi, BLOCK_E=block_e, PRECISION=precision, **kv_codec.pool_constexprs(a))
+        di**-0.5, DI=di, BLOCK_HI=block_hi, BLOCK_E=block_e, PRECISION=precision,
+        Q_PAD=triton.next_power_of_2(max(t, 1)), **kv_codec.pool_constexprs(a))
     idx = torch.empty(b, t, topk, dtype=torch.int32, device=dev)
     slots = torch.empty_like(idx)
     kp = triton.next_power_of_2(topk)

@@ -52,3 +52,18 @@ def test_autograd_and_other_dtypes_take_the_torch_loop():
         assert torch.equal(sinkhorn(_combs(5, 4), 20, 1e-6), sinkhorn_reference(_combs(5, 4), 20, 1e-6))
     with pytest.raises(ValueError, match="at least one iteration"):
         sinkhorn(_combs(1, 4), 0, 1e-6)
+
+
+def test_torch_loop_context_runs_the_loop_on_cpu(monkeypatch):
+    """What the launch-counting benchmarks use to see a GPU's path: no numba call inside."""
+    from kernels import sinkhorn as module
+
+    def refuse(*args):
+        raise AssertionError("the numba kernel ran inside torch_loop()")
+
+    monkeypatch.setattr(module, "_sinkhorn_kernel", refuse)
+    comb = _combs(3, 4)
+    with module.torch_loop():
+        assert torch.equal(sinkhorn(comb, 20, 1e-6), sinkhorn_reference(comb, 20, 1e-6))
+    with pytest.raises(AssertionError, match="numba kernel ran"):
+        sinkhorn(comb, 20, 1e-6)
