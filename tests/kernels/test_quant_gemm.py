@@ -443,3 +443,26 @@ def test_gpu_triton_matches_reference(m):
     ref = reference.fp4_grouped_mm(x, p, s4, offs, act_quant=True)
     assert_gemm_close(out.cpu(), ref, abs_gemm(x, reference.dequantize_fp4_weight(p, s4), True, offs), 512)
     assert same(kernels.act_quant_fp8(x.cuda()).cpu(), reference.act_quant_fp8(x))
+
+
+def test_e4m3_arithmetic_decode_is_every_codes_value():
+    """cpu_quant_gemm decodes e4m3 by integer arithmetic, not a table: all 256 bytes, bit for bit
+    (±0, subnormals, 448, NaN)."""
+    import numpy as np
+    from numba import njit
+
+    from kernels.cpu_quant_gemm import e4m3_value
+
+    @njit
+    def decode_all(codes, out):
+        for j in range(codes.shape[0]):
+            out[j] = e4m3_value(codes[j])
+
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    out = np.empty(256, np.float32)
+    decode_all(codes.numpy(), out)
+    want = codes.view(torch.float8_e4m3fn).float()
+    got = torch.from_numpy(out)
+    assert torch.equal(got.isnan(), want.isnan()) and int(want.isnan().sum()) == 2
+    finite = ~want.isnan()
+    assert torch.equal(got[finite].view(torch.int32), want[finite].view(torch.int32))
