@@ -134,21 +134,23 @@ class FusedDecoder:
         q_out = plan.q_proj(q_res)
         qh = kernels.norm_rope(q_out[0].view(t, cfg.num_heads, cfg.head_dim), 2, None, eps, cos, sin)
         entry_pool = entry_slots = None
-        entry_fmt = "fp32"
+        entry_fmt, entries_shared = "fp32", False
         if attn.compressor is not None:
-            entry_pool, entry_fmt, entry_slots = self._entries(attn, out, q_out, cos, sin, refs, batch, meta, dtype)
+            entry_pool, entry_fmt, entry_slots, entries_shared = self._entries(attn, out, q_out, cos, sin, refs, batch,
+                                                                               meta, dtype)
         # StepMeta's window and visible-entry tables are shared by a sequence's rows (one slot per
         # column): a verify step reads those records once per sequence, not once per token
         o = kernels.sparse_mla_decode(qh.view(b, q, cfg.num_heads, -1), attn.attn_sink, window_pool, window_fmt,
                                       meta.window_slots, entry_pool, entry_fmt, entry_slots, new_kv=kv,
                                       scale=cfg.head_dim**-0.5, window_shared=True,
-                                      entries_shared=entry_slots is meta.visible.get(attn.ratio))  # [B, q, H, hd] fp32
+                                      entries_shared=entries_shared)  # [B, q, H, hd] fp32
         o = kernels.norm_rope(o.view(t, cfg.num_heads, -1), 0, None, eps, cos, sin, inverse=True, dtype=dtype)
         low = attn.wo_a(o.view(t, cfg.o_groups, -1)).flatten(1)  # [T, G·o_lora]
         return attn.wo_b(low)
 
     def _entries(self, attn, out, q_out, cos, sin, refs, batch: DecodeBatch, meta: StepMeta, dtype):
-        """Compress this step's rows; (entry pool, format, slots [B, q, K]) the queries attend."""
+        """Compress this step's rows; (entry pool, format, slots [B, q, K], whether the slot table is
+        shared by a sequence's rows) the queries attend."""
         m, (b, q) = attn.ratio, meta.positions.shape
         comp = attn.compressor
         self._compress(comp, out["comp_c"], out["comp_z"], refs["comp_rows"], refs["comp_entries"], meta, dtype)
@@ -159,14 +161,14 @@ class FusedDecoder:
         pool, fmt = _pool(refs["comp_entries"])
         num_entries = batch.max_context // m
         if indexer is None or indexer.topk >= num_entries:
-            return pool, fmt, meta.visible[m]
+            return pool, fmt, meta.visible[m], True  # every visible entry: one table per sequence
         iq = kernels.norm_rope(q_out[1].view(b * q, indexer.num_heads, indexer.head_dim), 0, None, 0.0, cos, sin)
         keys, key_fmt = _pool(refs["index_keys"])
         _, slots = kernels.indexer_topk(iq.view(b, q, indexer.num_heads, -1),
                                         out["idx_w"].view(b, q, indexer.num_heads), keys, key_fmt, meta.full_table,
                                         meta.counts[m], meta.positions, m, indexer.topk, max_entries=num_entries,
                                         weight_scale=indexer.num_heads**-0.5)
-        return pool, fmt, slots
+        return pool, fmt, slots, False  # each token's own top-k
 
     @staticmethod
     def _compress(comp, c: torch.Tensor, z: torch.Tensor, rows_ref, entries_ref, meta: StepMeta,

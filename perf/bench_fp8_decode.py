@@ -24,21 +24,22 @@ from numba import njit
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels.cpu_quant_gemm import E4M3_TABLE, _dot_rows, e4m3_value  # noqa: E402
+from kernels.cpu_quant_gemm import E4M3_TABLE, _decode_fp8_row, _dot_rows  # noqa: E402
 from perf.machine import header, set_cpu_threads  # noqa: E402
 
 
 @njit(cache=True, error_model="numpy")
 def _gemv_arith(codes, sk, a, out):
+    """The fused GEMV's row loop with its own decode (kernels/cpu_quant_gemm.py)."""
     w = np.empty(codes.shape[1], np.float32)
     for r in range(codes.shape[0]):
-        for j in range(w.shape[0]):
-            w[j] = e4m3_value(codes[r, j]) * sk[j]
+        _decode_fp8_row(codes[r], sk, w)
         _dot_rows(w, a, r, out)
 
 
 @njit(cache=True, error_model="numpy")
 def _gemv_table(codes, sk, table, a, out):
+    """The same loop with the decode it replaced: a 256-entry table lookup per byte."""
     w = np.empty(codes.shape[1], np.float32)
     for r in range(codes.shape[0]):
         for j in range(w.shape[0]):

@@ -15,8 +15,6 @@ Run: python perf/bench_kernels.py [--rows N] [--repeats R]
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from typing import Callable
 
 import torch
@@ -24,27 +22,9 @@ import torch
 import kernels
 from kernels import cpu_kv, cpu_routing, reference
 from kernels.devices import importable
-from perf.machine import header  # noqa: E402
+from perf.machine import header, median_s  # noqa: E402
 
 FORMATS = {"bf16": 512, "fp8_ds_mla": 512, "fp4_kv": 512, "fp4_index": 128}
-
-
-def median_s(fn: Callable[[], object], repeats: int, cuda: bool = False) -> float:
-    fn()                                                    # warm-up (and numba/NVRTC compile)
-    times = []
-    for _ in range(repeats):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def copy_gbps(device: str, repeats: int) -> float:

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 import kernels
 from engine.weights import dequantize_fp4, dequantize_fp8
 from kernels import cpu_quant_gemm, reference
-from perf.machine import header, set_cpu_threads  # noqa: E402
+from perf.machine import header, median_s, set_cpu_threads  # noqa: E402
 
 # (name, kind, E, N, K, block or group): V4-Flash / V4.1-Flash-like projections, sized for a CPU.
 CASES = [
@@ -70,24 +70,6 @@ def tiled(fn: Callable[[], object]) -> Callable[[], object]:
         finally:
             cpu_quant_gemm.GEMV_MAX_ROWS = saved
     return run
-
-
-def median_s(fn: Callable[[], object], repeats: int, cuda: bool = False) -> float:
-    fn()                                                    # warm-up (numba cache, Triton compile)
-    times = []
-    for _ in range(repeats):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def make_weight(kind: str, e: int, n: int, k: int, q, g: torch.Generator):

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -30,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels import reference  # noqa: E402
 from kernels.formats import get_format  # noqa: E402
 from kernels.triton.sparse_mla_decode import program_shape, sparse_mla_decode  # noqa: E402
-from perf.machine import header  # noqa: E402
+from perf.machine import header, median_s  # noqa: E402
 
 PER_BLOCK = 64  # records per pool block
 
@@ -59,25 +57,6 @@ def case(b: int, q: int, h: int, d: int, w: int, k: int, entries: int, device):
                 entry_pool=_pool("fp4_kv", b * entries + PER_BLOCK, d, device), entry_fmt="fp4_kv",
                 entry_slots=entry_slots.int().to(device),
                 new_kv=torch.randn(b, q, d, generator=g).to(device, torch.bfloat16))
-
-
-def timed(fn, iters: int, cuda: bool) -> float:
-    """Median seconds of one call."""
-    fn()
-    times = []
-    for _ in range(iters):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -112,8 +91,8 @@ def main() -> None:
         def run(shared: bool):
             out[shared] = sparse_mla_decode(**c, precision=precision, window_shared=shared)
 
-        t_row = timed(lambda: run(False), iters, cuda)
-        t_shared = timed(lambda: run(True), iters, cuda)
+        t_row = median_s(lambda: run(False), iters, cuda)
+        t_shared = median_s(lambda: run(True), iters, cuda)
         same = torch.equal(out[False], out[True])
         q_pad, block_h = program_shape(q)
         print(f"{q:3d} {q_pad * block_h:6d} {t_row * 1e6:11.1f} {t_shared * 1e6:10.1f} {t_row / t_shared:14.2f}x "

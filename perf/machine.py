@@ -1,10 +1,14 @@
 """What every benchmark prints first: the machine it ran on (the CPU model changes between
-machines, and figures from different CPUs are not comparable), and its thread budget."""
+machines, and figures from different CPUs are not comparable), its thread budget, and how the
+kernel benchmarks time one call."""
 
 from __future__ import annotations
 
 import os
 import platform
+import statistics
+import time
+from collections.abc import Callable
 
 
 def cpu_model() -> str:
@@ -39,3 +43,25 @@ def set_cpu_threads(n: int) -> None:
 
     numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
     torch.set_num_threads(n)
+
+
+def median_s(fn: Callable[[], object], repeats: int, cuda: bool = False) -> float:
+    """Median seconds of one call of `fn` over `repeats` calls after one warm-up (numba cache,
+    Triton / NVRTC compile); `cuda`: timed by CUDA events around each call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        if cuda:
+            import torch
+
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
