@@ -191,12 +191,12 @@ def _fp4_gemv(packed_arg, scale_arg, pair_table_arg, group, a_arg, out_arg):
 
 
 @njit(cache=True, error_model="numpy")
-def _active_experts(ends):
-    """(experts with rows, their first slot): ends [E] are cumulative slot counts."""
+def _active_experts(ends, max_rows):
+    """(experts with 1..max_rows rows, their first slot): ends [E] are cumulative slot counts."""
     active, first = np.empty(ends.shape[0], np.int64), np.empty(ends.shape[0], np.int64)
     count, start = 0, 0
     for e in range(ends.shape[0]):
-        if ends[e] > start:
+        if start < ends[e] <= start + max_rows:
             active[count], first[count] = e, start
             count += 1
         start = max(start, ends[e])
@@ -204,14 +204,14 @@ def _active_experts(ends):
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
-def _fp8_grouped_gemv(codes_arg, scale_arg, block_n, block_k, a_arg, ends_arg, out_arg):
-    """Slots [first, ends[e]) of expert e through its weight codes[e] [N, K]; out [S, N] (zeroed:
-    slots of no expert stay 0). Parallel over (expert with rows, row task) pairs, so the few
-    active experts of a decode step spread over every thread."""
+def _fp8_grouped_gemv(codes_arg, scale_arg, block_n, block_k, a_arg, ends_arg, max_rows, out_arg):
+    """Slots [first, ends[e]) of expert e through its weight codes[e] [N, K], for every expert
+    with 1..max_rows slots (the others' slots are left as they are); out [S, N]. Parallel over
+    (expert, row task) pairs, so the few active experts of a decode step spread over every thread."""
     codes, scale = borrow(codes_arg), borrow(scale_arg)
     a, out = borrow(a_arg), borrow(out_arg)
     n, k = codes.shape[1], codes.shape[2]
-    active, first = _active_experts(borrow(ends_arg))
+    active, first = _active_experts(borrow(ends_arg), max_rows)
     tasks = (n + ROWS_PER_TASK - 1) // ROWS_PER_TASK
     for t in prange(active.shape[0] * tasks):
         e, task = active[t // tasks], t % tasks
@@ -227,12 +227,12 @@ def _fp8_grouped_gemv(codes_arg, scale_arg, block_n, block_k, a_arg, ends_arg, o
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
-def _fp4_grouped_gemv(packed_arg, scale_arg, pair_table_arg, group, a_arg, ends_arg, out_arg):
+def _fp4_grouped_gemv(packed_arg, scale_arg, pair_table_arg, group, a_arg, ends_arg, max_rows, out_arg):
     """As _fp8_grouped_gemv for packed e2m1 experts [E, N, K/2] with per-row group scales."""
     packed, scale, pair_table, a, out = (borrow(packed_arg), borrow(scale_arg), borrow(pair_table_arg),
                                          borrow(a_arg), borrow(out_arg))
     n, half = packed.shape[1], packed.shape[2]
-    active, first = _active_experts(borrow(ends_arg))
+    active, first = _active_experts(borrow(ends_arg), max_rows)
     tasks = (n + ROWS_PER_TASK - 1) // ROWS_PER_TASK
     for t in prange(active.shape[0] * tasks):
         e, task = active[t // tasks], t % tasks
@@ -367,23 +367,23 @@ def fp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, act_q
 
 
 def _grouped(a: torch.Tensor, n: int, offsets: torch.Tensor, out_dtype: torch.dtype,
-             fused: Callable[[np.ndarray, np.ndarray], None],
+             fused: Callable[[np.ndarray, int, np.ndarray], None],
              expert_mm: Callable[[torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
     """Expert e's rows [offsets[e-1], offsets[e]) of a fp32 [S, K] through expert e -> [S, N];
-    experts without rows are never decoded; rows past offsets[-1] stay zero. When no expert has
-    more than GEMV_MAX_ROWS rows (decode), one fused call fused(ends, out) does every expert;
-    otherwise expert_mm(rows, e) -> fp32 [rows, N] runs per expert with rows."""
+    experts without rows are never decoded; rows past offsets[-1] stay zero. One fused call
+    fused(ends, max_rows, out) does every expert with at most GEMV_MAX_ROWS rows (all of them in
+    a decode step); expert_mm(rows, e) -> fp32 [rows, N] does each expert with more (the tiled
+    path), so a batch where a few experts are popular still decodes the rest in one call."""
     ends = offsets.to(torch.int64).numpy()
     counts = np.diff(ends, prepend=0)
     out = torch.zeros(a.shape[0], n)                        # [S, N] fp32
-    if a.shape[0] and counts.max(initial=0) <= GEMV_MAX_ROWS:
-        fused(ends, out.numpy())
+    if not a.shape[0]:
         return _finish(out, out_dtype)
-    start = 0
-    for e, end in enumerate(ends.tolist()):
-        if end > start:
-            out[start:end] = expert_mm(a[start:end], e)
-        start = end
+    if ((counts > 0) & (counts <= GEMV_MAX_ROWS)).any():
+        fused(ends, GEMV_MAX_ROWS, out.numpy())
+    for e in np.flatnonzero(counts > GEMV_MAX_ROWS).tolist():
+        start, end = int(ends[e] - counts[e]), int(ends[e])
+        out[start:end] = expert_mm(a[start:end], e)
     return _finish(out, out_dtype)
 
 
@@ -394,8 +394,8 @@ def fp8_grouped_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, o
     a = _activation(x, act_quant, act_group)
     bn, bk = block
 
-    def fused(ends: np.ndarray, out: np.ndarray) -> None:
-        _fp8_grouped_gemv(_np(weight), _np(scale), bn, bk, a.numpy(), ends, out)
+    def fused(ends: np.ndarray, max_rows: int, out: np.ndarray) -> None:
+        _fp8_grouped_gemv(_np(weight), _np(scale), bn, bk, a.numpy(), ends, max_rows, out)
     return _grouped(a, weight.shape[1], offsets, out_dtype or x.dtype, fused,
                     lambda rows, e: _fp8_mm(rows, weight[e], scale[e], (bn, bk)))
 
@@ -406,7 +406,7 @@ def fp4_grouped_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, o
     checks.check_fp4_gemm("fp4_grouped_mm", x, packed, scale, group, offsets, out_dtype, act_group)
     a = _activation(x, act_quant, act_group)
 
-    def fused(ends: np.ndarray, out: np.ndarray) -> None:
-        _fp4_grouped_gemv(_np(packed), _np(scale), E2M1_PAIR_TABLE, group, a.numpy(), ends, out)
+    def fused(ends: np.ndarray, max_rows: int, out: np.ndarray) -> None:
+        _fp4_grouped_gemv(_np(packed), _np(scale), E2M1_PAIR_TABLE, group, a.numpy(), ends, max_rows, out)
     return _grouped(a, packed.shape[1], offsets, out_dtype or x.dtype, fused,
                     lambda rows, e: _fp4_mm(rows, packed[e], scale[e], group))

@@ -208,8 +208,13 @@ def test_cpu_rows_up_to_the_threshold_take_the_fused_kernels(monkeypatch):
     tiled_calls.clear()
     _check_grouped(kernels, True, [m, m, 2 * m], 2 * m, 64, act_quant=False, seed=20)      # m rows per expert
     assert tiled_calls == []
-    _check_grouped(kernels, False, [1, m + 2, m + 3], m + 3, 64, act_quant=True, seed=21)  # one expert above
-    assert tiled_calls == [m + 1]                  # only that expert; the others stay fused
+    row_kernel_calls = []
+    for name in ("_fp8_gemv", "_fp8_grouped_gemv"):
+        real = getattr(cpu_quant_gemm, name)
+        monkeypatch.setattr(cpu_quant_gemm, name, lambda *a, _n=name, _f=real: row_kernel_calls.append(_n) or _f(*a))
+    _check_grouped(kernels, False, [1, m + 2, m + 3, m + 3, m + 5], m + 5, 64, act_quant=True, seed=21)
+    assert tiled_calls == [m + 1]                  # only the expert above the threshold
+    assert row_kernel_calls == ["_fp8_grouped_gemv"]  # the other three (one empty) in one call
 
 @triton_interpreted
 @pytest.mark.parametrize("m,n,k,block", TRITON_FP8_CASES)
