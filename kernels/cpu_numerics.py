@@ -160,6 +160,19 @@ def prefetch(typingctx, arr, index):
     return types.none(arr, index), codegen
 
 
+@intrinsic
+def half_value(typingctx, bits):
+    """The fp32 value of IEEE half-precision bits (a uint16): LLVM's fpext from half, which x86
+    with F16C (every AVX2 CPU) vectorises as vcvtph2ps, subnormal halves included at full speed,
+    and other targets lower natively or by a library call. Exact: every half is an fp32."""
+    if not isinstance(bits, types.Integer) or bits.bitwidth != 16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+    return types.float32(bits), codegen
+
+
 # ---- scalar rules, branch-free (masks instead of selects: LLVM keeps ternaries as branches) ---
 
 ALL_ONES = U32(0xFFFFFFFF)

@@ -450,18 +450,21 @@ def test_gpu_triton_matches_reference(m):
     assert same(kernels.act_quant_fp8(x.cuda()).cpu(), reference.act_quant_fp8(x))
 
 
-def test_e4m3_arithmetic_decode_is_every_codes_value():
-    """cpu_quant_gemm decodes e4m3 by integer arithmetic, not a table: all 256 bytes, bit for bit
-    (±0, subnormals, 448, NaN)."""
+@pytest.mark.parametrize("decode", ["e4m3_value", "e4m3_fast"])
+def test_e4m3_decodes_give_every_codes_value(decode):
+    """cpu_quant_gemm's e4m3 decodes (integer arithmetic; the half-conversion one the kernels
+    use): all 256 bytes, bit for bit (±0, subnormals, 448, NaN)."""
     import numpy as np
     from numba import njit
 
-    from kernels.cpu_quant_gemm import e4m3_value
+    from kernels import cpu_quant_gemm
+
+    value = getattr(cpu_quant_gemm, decode)
 
     @njit
     def decode_all(codes, out):
         for j in range(codes.shape[0]):
-            out[j] = e4m3_value(codes[j])
+            out[j] = value(codes[j])
 
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     out = np.empty(256, np.float32)
@@ -471,3 +474,18 @@ def test_e4m3_arithmetic_decode_is_every_codes_value():
     assert torch.equal(got.isnan(), want.isnan()) and int(want.isnan().sum()) == 2
     finite = ~want.isnan()
     assert torch.equal(got[finite].view(torch.int32), want[finite].view(torch.int32))
+
+
+def test_fp8_gemv_equals_the_decoded_weight_product_bit_for_bit():
+    """The fused GEMV scales the activations instead of the weights (e4m3 · (a · s) against the
+    reference's (e4m3 · s) · a): with power-of-two scales both products are exact, so each
+    product, and a one-element dot, is the reference's to the bit, every code included."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).view(256, 1)
+    codes = codes.repeat(1, 3)                                   # [256, 3]: three K blocks of 1
+    scale = torch.tensor([[2.0**-7, 2.0**3, 1.0]]).expand(256, 3).contiguous()  # per-row blocks
+    for k in range(3):
+        x = torch.zeros(1, 3)
+        x[0, k] = -1.7
+        got = kernels.fp8_linear(x, codes, scale, (1, 1), out_dtype=torch.float32)
+        want = reference.dequantize_fp8_weight(codes, scale, (1, 1)) @ x[0]
+        assert same(got[0], want)
