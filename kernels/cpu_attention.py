@@ -13,10 +13,11 @@ It walks the row's slot tables column by column (window, then entries, then the 
 (raw bf16 pools are read straight from the pool by slot: bf16 → fp32 is `bits << 16`); every
 head then takes one online-softmax step over kb: logits by 4-head × 4-key tiles, then
 acc = acc·α + Σ p·k over the block in one pass. A shared table (``*_shared``) is, row by row,
-just a table whose other rows' keys are −1, so rows never meet a key they do not see: a masked row cannot be poisoned by a NaN record, and shared and per-row
-reads give the same bits. Quantized pools (fp8_ds_mla, fp4_kv, fp4_index) and fp16 pools are
-first gathered into an fp32 scratch of only the slots the step reads (once per sequence for a
-shared table, its union column) and attended the same way.
+just a table whose other rows' keys are −1, so rows never meet a key they do not see: a masked
+row cannot be poisoned by a NaN record, and shared and per-row reads give the same bits.
+Quantized pools (fp8_ds_mla, fp4_kv, fp4_index) and fp16 pools are first gathered into an fp32
+scratch of only the slots the step reads (once per sequence for a shared table, its union
+column) and attended the same way.
 
 Numerics: fp32 throughout. The q·k dots and the Σ p·k accumulation are reassociated (numba
 fastmath "reassoc" + "contract" only, never "nnan"/"ninf": NaN and Inf still propagate), so
