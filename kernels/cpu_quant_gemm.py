@@ -184,13 +184,29 @@ def _scale_activations(a, srow, block_k, dst):
 
 
 @njit(cache=True, error_model="numpy")
-def _decode_fp4_row(src, sk, pair_table, pairs, dst):
-    """dst[k] = e2m1(nibble k of src) * sk[k]; pairs (uint64 [K/2]) is dst's memory: one 8-byte
-    lookup per packed byte writes both of its values (low nibble first)."""
+def _scale_groups(srow, group, w):
+    """w[k] *= scale(srow[k // group]) in place. MXFP4's group of 32 gets a loop of literal length
+    (LLVM unrolls it into whole vectors): 1.7x cheaper per element than expanding the row's
+    scales into a buffer first."""
+    if group == 32 and w.shape[0] == 32 * srow.shape[0]:
+        for g in range(srow.shape[0]):
+            v, base = scale_value(srow[g]), 32 * g
+            for j in range(32):
+                w[base + j] *= v
+        return
+    for g in range(srow.shape[0]):
+        v = scale_value(srow[g])
+        for j in range(g * group, min(w.shape[0], (g + 1) * group)):
+            w[j] *= v
+
+
+@njit(cache=True, error_model="numpy")
+def _decode_fp4_row(src, srow, group, pair_table, pairs, dst):
+    """dst[k] = e2m1(nibble k of src) * scale(srow[k // group]); pairs (uint64 [K/2]) is dst's
+    memory: one 8-byte lookup per packed byte writes both of its values (low nibble first)."""
     for j in range(src.shape[0]):
         pairs[j] = pair_table[src[j]]
-    for j in range(dst.shape[0]):
-        dst[j] *= sk[j]
+    _scale_groups(srow, group, dst)
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
@@ -217,11 +233,10 @@ def _fp4_gemv(packed_arg, scale_arg, pair_table_arg, group, a_arg, out_arg):
                                          borrow(a_arg), borrow(out_arg))
     n, half = packed.shape
     for task in prange((n + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
-        pairs, sk = np.empty(half, np.uint64), np.empty(2 * half, np.float32)
+        pairs = np.empty(half, np.uint64)
         w = pairs.view(np.float32)                                  # [K]
         for r in range(task * ROWS_PER_TASK, min(n, (task + 1) * ROWS_PER_TASK)):
-            _expand_scales(scale[r], group, sk)
-            _decode_fp4_row(packed[r], sk, pair_table, pairs, w)
+            _decode_fp4_row(packed[r], scale[r], group, pair_table, pairs, w)
             _dot_rows(w, a, r, out)
 
 
@@ -272,11 +287,10 @@ def _fp4_grouped_gemv(packed_arg, scale_arg, pair_table_arg, group, a_arg, ends_
     for t in prange(active.shape[0] * tasks):
         e, task = active[t // tasks], t % tasks
         rows = a[first[t // tasks]:ends_arg[e]]
-        pairs, sk = np.empty(half, np.uint64), np.empty(2 * half, np.float32)
+        pairs = np.empty(half, np.uint64)
         w = pairs.view(np.float32)
         for r in range(task * ROWS_PER_TASK, min(n, (task + 1) * ROWS_PER_TASK)):
-            _expand_scales(scale[e, r], group, sk)
-            _decode_fp4_row(packed[e, r], sk, pair_table, pairs, w)
+            _decode_fp4_row(packed[e, r], scale[e, r], group, pair_table, pairs, w)
             _dot_rows(w, rows, r, out[first[t // tasks]:ends_arg[e]])
 
 
