@@ -70,7 +70,7 @@ def _scale_value_impl(s):
 def e4m3_value(code):
     """The value of an e4m3fn byte by integer arithmetic: |v| = mantissa << (exponent − 1) · 2^-9
     with the implicit bit for normals; 0x7F / 0xFF NaN. The previous decode, kept as the
-    baseline perf/bench_fp8_decode.py measures `e4m3_half_bits` against."""
+    baseline perf/bench_weight_decode.py measures `e4m3_half_bits` against."""
     b = np.int32(code)
     e = (b >> 3) & 15
     mant = (b & 7) + (8 if e > 0 else 0)
@@ -186,8 +186,8 @@ def _scale_activations(a, srow, block_k, dst):
 @njit(cache=True, error_model="numpy")
 def _scale_groups(srow, group, w):
     """w[k] *= scale(srow[k // group]) in place. MXFP4's group of 32 gets a loop of literal length
-    (LLVM unrolls it into whole vectors): 1.7x cheaper per element than expanding the row's
-    scales into a buffer first."""
+    (LLVM unrolls it into whole vectors): 1.1-1.5x cheaper per weight than expanding the row's
+    scales into a buffer first (perf/bench_weight_decode.py)."""
     if group == 32 and w.shape[0] == 32 * srow.shape[0]:
         for g in range(srow.shape[0]):
             v, base = scale_value(srow[g]), 32 * g

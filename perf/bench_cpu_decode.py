@@ -1,24 +1,28 @@
-"""CPU decode step of one checkpoint: the quantized-GEMM paths side by side, in one run.
+"""CPU decode step of one checkpoint: the decode paths and kernels side by side, in one run.
 
 Variants, each an Engine on the same loaded weights (batch B: B prompts of --prompt-len, then
 --steps decode steps; ms per decode step):
-  fused   weights kept FP8/FP4, decode-sized GEMMs on the fused row kernels (the default)
-  tiled   weights kept FP8/FP4, every GEMM on the tiled path (tile decode + sgemm; the old path)
-  bf16    `--weight-dtype bf16`: every weight decoded once at load (2-4x the weight memory)
-  loop    as fused, with mHC's Sinkhorn as the torch loop (~120 ops per site) instead of the one
-          numba call of kernels/sinkhorn.py
-  static  as fused, decode steps on the static-shape fused forward (`--static-decode`:
-          engine/fused_decode.py with kernels/cpu_decode.py) instead of the per-sequence path
-Rounds interleave the variants (fused, tiled, bf16, fused, …) so a busy neighbour slows them
-alike; medians over --rounds. Ratios are variant / fused (> 1: fused is faster).
+  default  what the engine runs on CPU: decode steps on the static-shape fused forward
+           (engine/fused_decode.py) with the numba kernels of kernels/cpu_decode.py, weights kept
+           FP8/FP4 with decode-sized GEMMs on the fused row kernels
+  ref-ops  as default, with kernels/cpu_decode.py's ops swapped for their torch references (the
+           Triton modules' `*_reference`): what the numba kernels save
+  per-seq  decode steps on the per-sequence path (`static_decode=False`, engine/attention.py's
+           SequenceContext: torch ops per sequence and layer)
+  tiled    as default, every GEMM on the tiled path (tile decode + sgemm)
+  bf16     as default with `--weight-dtype bf16`: every weight decoded once at load (2-4x the memory)
+Rounds interleave the variants (default, ref-ops, …) so a busy neighbour slows them alike;
+medians over --rounds. Ratios are variant / default (> 1: the default is faster). --dtype is
+the compute dtype (fp32: what `ringserve serve` runs on CPU).
 
     python perf/bench_cpu_decode.py --model-dir .peer-cache/models/v4-tiny6 [--batch 1 16] [--threads 1]
-        [--variants fused tiled bf16 loop]
+        [--variants ref-ops per-seq tiled bf16] [--dtype fp32]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 from pathlib import Path
@@ -29,18 +33,19 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.weights import load_model
 from ipc.messages import SamplingParams
-from kernels import cpu_quant_gemm, sinkhorn
+from kernels import cpu_decode, cpu_quant_gemm
 from perf.bench_quant_gemm import tiled
 from perf.machine import header, set_cpu_threads
 
+VARIANTS = ["default", "ref-ops", "per-seq", "tiled", "bf16"]
 
-def step_ms(model, batch: int, prompt_len: int, steps: int, static: bool = False) -> float:
+
+def step_ms(model, batch: int, prompt_len: int, steps: int, static: bool = True) -> float:
     """ms per decode step after the prompts' prefill (one measurement)."""
     engine = Engine(model, EngineConfig(max_num_seqs=batch, max_num_batched_tokens=batch * prompt_len,
                                         num_kv_blocks=batch * (-(-(prompt_len + steps) // 256) + 2) + 4,
                                         block_size=256, speculative_tokens=0,
-                                        max_model_len=prompt_len + steps + 8, static_decode=static,
-                                        cuda_graph_sizes=(batch,) if static else ()))
+                                        max_model_len=prompt_len + steps + 8, static_decode=static))
     g = torch.Generator().manual_seed(batch)
     for i in range(batch):
         prompt = torch.randint(3, model.cfg.vocab_size - 1, (prompt_len,), generator=g).tolist()
@@ -53,12 +58,33 @@ def step_ms(model, batch: int, prompt_len: int, steps: int, static: bool = False
     return 1000 * (time.perf_counter() - t0) / max(n, 1)
 
 
+@contextlib.contextmanager
+def reference_ops():
+    """kernels/cpu_decode.py's ops replaced by the torch references they were checked against."""
+    from kernels.triton import compressor_step, indexer_topk, mhc_expand, mhc_mix, moe_ops, norm_rope
+    from kernels.triton import sparse_mla_decode
+    refs = {"compressor_step": compressor_step.compressor_step_reference,
+            "indexer_topk": indexer_topk.indexer_topk_reference, "mhc_expand": mhc_expand.mhc_expand_reference,
+            "mhc_mix": mhc_mix.mhc_mix_reference, "gather_rows": moe_ops.gather_rows_reference,
+            "moe_combine": moe_ops.moe_combine_reference, "swiglu": moe_ops.swiglu_reference,
+            "norm_rope": norm_rope.norm_rope_reference,
+            "sparse_mla_decode": sparse_mla_decode.sparse_mla_decode_reference}
+    saved = {name: getattr(cpu_decode, name) for name in refs}
+    try:
+        for name, fn in refs.items():
+            setattr(cpu_decode, name, fn)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(cpu_decode, name, fn)
+
+
 def run_variant(name: str, models: dict, batch: int, args) -> float:
     def run() -> float:
         return step_ms(models["bf16" if name == "bf16" else "auto"], batch, args.prompt_len, args.steps,
-                       static=name == "static")
-    if name == "loop":
-        with sinkhorn.torch_loop():
+                       static=name != "per-seq")
+    if name == "ref-ops":
+        with reference_ops():
             return run()
     return tiled(run)() if name == "tiled" else run()
 
@@ -71,19 +97,21 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--variants", nargs="+", default=["fused", "tiled", "bf16", "loop", "static"],
-                        choices=["fused", "tiled", "bf16", "loop", "static"], help="fused is always run (the baseline)")
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--variants", nargs="+", default=VARIANTS[1:], choices=VARIANTS,
+                        help="default is always run (the baseline)")
     args = parser.parse_args()
     print(header("bench_cpu_decode"), flush=True)
     set_cpu_threads(args.threads)
-    variants = ["fused"] + [v for v in dict.fromkeys(args.variants) if v != "fused"]
-    models = {wd: load_model(args.model_dir, progress=False, weight_dtype=wd)
+    variants = ["default"] + [v for v in dict.fromkeys(args.variants) if v != "default"]
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    models = {wd: load_model(args.model_dir, dtype=dtype, progress=False, weight_dtype=wd)
               for wd in ("auto", "bf16") if wd == "auto" or "bf16" in variants}
-    print(f"# {args.model_dir}; {args.threads} thread(s); prompt {args.prompt_len}, {args.steps} steps, "
-          f"median of {args.rounds} interleaved rounds; GEMV_MAX_ROWS={cpu_quant_gemm.GEMV_MAX_ROWS}")
+    print(f"# {args.model_dir}; {args.dtype}; {args.threads} thread(s); prompt {args.prompt_len}, {args.steps} "
+          f"steps, median of {args.rounds} interleaved rounds; GEMV_MAX_ROWS={cpu_quant_gemm.GEMV_MAX_ROWS}")
     others = variants[1:]
-    print(f"{'batch':>5s} " + " ".join(f"{v + ' ms':>9s}" for v in variants) + " "
-          + " ".join(f"{v + '/fused':>11s}" for v in others))
+    print(f"{'batch':>5s} " + " ".join(f"{v + ' ms':>10s}" for v in variants) + " "
+          + " ".join(f"{v + '/default':>16s}" for v in others))
     for batch in args.batch:
         for name in variants:                                # warm-up: numba cache, allocator
             run_variant(name, models, batch, argparse.Namespace(prompt_len=args.prompt_len, steps=2))
@@ -92,8 +120,8 @@ def main() -> None:
             for name in variants:
                 times[name].append(run_variant(name, models, batch, args))
         med = {v: statistics.median(t) for v, t in times.items()}
-        print(f"{batch:5d} " + " ".join(f"{med[v]:9.1f}" for v in variants) + " "
-              + " ".join(f"{med[v] / med['fused']:10.2f}x" for v in others), flush=True)
+        print(f"{batch:5d} " + " ".join(f"{med[v]:10.1f}" for v in variants) + " "
+              + " ".join(f"{med[v] / med['default']:15.2f}x" for v in others), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""FP8 (e4m3) weight decode on CPU: three decodes of the fused GEMV, side by side.
+"""FP8 / FP4 weight decode on CPU: the fused GEMV's decodes, side by side.
 
 kernels/cpu_quant_gemm.py's fused GEMV decodes each weight row into an L1 buffer and dots it with
 the activation rows. How it turns e4m3 bytes into fp32 decides its speed:
@@ -8,11 +8,15 @@ the activation rows. How it turns e4m3 bytes into fp32 decides its speed:
          converted by vcvtph2ps (`half_value`), no scale; the activations carry the block scales
          instead (`_scale_activations`, once per block row of 128 weight rows)
 All three run the same row loop over one [N, K] weight with [N/128, K/128] power-of-two block
-scales and one activation row, interleaved, medians of --repeats; their outputs are compared
-bit for bit. Cycles per weight element are at the clock given by --ghz (the CPU model is
-printed: read them as ratios across machines).
+scales and one activation row. For packed MXFP4 (e2m1 pairs, a ue8m0 scale per row and 32
+elements) both variants look each byte's two values up in a 256-entry pair table, then
+  expand  expand the row's scales into a [K] buffer and multiply (the previous kernel)
+  groups  multiply group by group, a loop of literal length 32 (kernels/cpu_quant_gemm.py
+          `_scale_groups`, the current kernel)
+Interleaved, medians of --repeats; outputs compared bit for bit. Cycles per weight element
+are at the clock given by --ghz (the CPU model is printed: read them as ratios across machines).
 
-    python perf/bench_fp8_decode.py [--shapes 4096x2048 8192x256] [--repeats 9] [--ghz 2.0]
+    python perf/bench_weight_decode.py [--shapes 4096x2048 8192x256] [--repeats 9] [--ghz 2.0]
 """
 
 from __future__ import annotations
@@ -29,8 +33,8 @@ from numba import njit
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels.cpu_quant_gemm import (E4M3_TABLE, _decode_fp8_row, _dot_rows, _expand_scales,  # noqa: E402
-                                    _scale_activations, e4m3_value)
+from kernels.cpu_quant_gemm import (E2M1_PAIR_TABLE, E4M3_TABLE, _decode_fp4_row, _decode_fp8_row,  # noqa: E402
+                                    _dot_rows, _expand_scales, _scale_activations, e4m3_value)
 from perf.machine import header, set_cpu_threads  # noqa: E402
 
 BLOCK = 128
@@ -68,13 +72,48 @@ def _gemv_half(codes, scale, a, out):
         _dot_rows(w, scaled, r, out)
 
 
+@njit(cache=True, error_model="numpy")
+def _gemv_fp4_expand(packed, scale, pair_table, a, out):
+    pairs, sk = np.empty(packed.shape[1], np.uint64), np.empty(2 * packed.shape[1], np.float32)
+    w = pairs.view(np.float32)
+    for r in range(packed.shape[0]):
+        _expand_scales(scale[r], 32, sk)
+        for j in range(packed.shape[1]):
+            pairs[j] = pair_table[packed[r, j]]
+        for j in range(w.shape[0]):
+            w[j] *= sk[j]
+        _dot_rows(w, a, r, out)
+
+
+@njit(cache=True, error_model="numpy")
+def _gemv_fp4_groups(packed, scale, pair_table, a, out):
+    pairs = np.empty(packed.shape[1], np.uint64)
+    w = pairs.view(np.float32)
+    for r in range(packed.shape[0]):
+        _decode_fp4_row(packed[r], scale[r], 32, pair_table, pairs, w)
+        _dot_rows(w, a, r, out)
+
+
+def _time(runs: dict, outs: dict, repeats: int) -> dict:
+    """Median seconds per variant, rounds interleaved."""
+    for v, run in runs.items():
+        run(outs[v])  # compile / load the cache
+    times = {v: [] for v in runs}
+    for _ in range(repeats):
+        for v, run in runs.items():
+            t = time.perf_counter()
+            run(outs[v])
+            times[v].append(time.perf_counter() - t)
+    return {v: statistics.median(ts) for v, ts in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=["4096x2048", "8192x256", "2048x5120"])
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--ghz", type=float, default=2.0)
     args = parser.parse_args()
-    print(header("bench_fp8_decode"), flush=True)
+    print(header("bench_weight_decode"), flush=True)
     set_cpu_threads(1)
     g = torch.Generator().manual_seed(0)
     print(f"# one thread; medians of {args.repeats} interleaved rounds; cycles at {args.ghz} GHz")
@@ -92,20 +131,26 @@ def main() -> None:
         runs = {"table": lambda o: _gemv_table(codes, scale, E4M3_TABLE, a, o),
                 "arith": lambda o: _gemv_arith(codes, scale, a, o),
                 "half": lambda o: _gemv_half(codes, scale, a, o)}
-        for v, run in runs.items():
-            run(outs[v])  # compile / load the cache
+        med = _time(runs, outs, args.repeats)
         same = np.array_equal(outs["table"], outs["arith"]) and np.array_equal(outs["table"], outs["half"])
-        times = {v: [] for v in runs}
-        for _ in range(args.repeats):
-            for v, run in runs.items():
-                t = time.perf_counter()
-                run(outs[v])
-                times[v].append(time.perf_counter() - t)
-        med = {v: statistics.median(ts) for v, ts in times.items()}
         cyc = {v: med[v] * args.ghz * 1e9 / (n * k) for v in med}
         print(f"{shape:>11s} {cyc['table']:13.2f} {cyc['arith']:13.2f} {cyc['half']:12.2f} "
               f"{med['table'] / med['half']:10.2f}x {med['arith'] / med['half']:10.2f}x  "
               f"{'identical' if same else 'DIFFER'}", flush=True)
+    print(f"\n# MXFP4 (e2m1 pairs, a ue8m0 scale per row and 32 elements)")
+    print(f"{'N x K':>11s} {'expand cyc/el':>14s} {'groups cyc/el':>14s} {'expand/groups':>14s}  outputs")
+    for shape in args.shapes:
+        n, k = (int(x) for x in shape.split("x"))
+        packed = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8).numpy()
+        scale = torch.randint(120, 130, (n, -(-k // 32)), generator=g, dtype=torch.uint8).numpy()
+        a = torch.randn(1, k, generator=g).numpy()
+        outs = {v: np.empty((1, n), np.float32) for v in ("expand", "groups")}
+        runs = {"expand": lambda o: _gemv_fp4_expand(packed, scale, E2M1_PAIR_TABLE, a, o),
+                "groups": lambda o: _gemv_fp4_groups(packed, scale, E2M1_PAIR_TABLE, a, o)}
+        med = _time(runs, outs, args.repeats)
+        cyc = {v: med[v] * args.ghz * 1e9 / (n * k) for v in med}
+        print(f"{shape:>11s} {cyc['expand']:14.2f} {cyc['groups']:14.2f} {med['expand'] / med['groups']:13.2f}x  "
+              f"{'identical' if np.array_equal(outs['expand'], outs['groups']) else 'DIFFER'}", flush=True)
 
 
 if __name__ == "__main__":
