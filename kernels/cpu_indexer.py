@@ -8,16 +8,21 @@ NaN ranking as -inf (still above every invisible entry), -0 == +0, -1 past the v
 Why: the torch reference scores every addressable entry of the padded table (gather +
 dequantize all of it, an einsum into [B, q, Hi, E], a full stable sort). Here each sequence's
 visible entries only are read, a tile of ``_TILE`` keys at a time, decoded from the pool by slot
-into an fp32 tile (fp4_index with kernels/cpu_numerics.py's exact codecs, bf16 by a shift, fp32
-copied), scored for every query row of the sequence (a verify step's rows share the keys), and
+into an fp32 tile (fp4_index as code value x ue8m0 scale in fp32, the reference's rule, bf16 by a
+shift, fp32 copied), scored for every query row of the sequence (a verify step's rows share the keys), and
 the selection is a partition + sort of the ``topk`` largest of unique 64-bit keys.
 
 Numerics:
 - q · k is a length-dI dot in LLVM's vectorised order with fused multiply-adds
   (``fastmath={"reassoc", "contract"}`` on that loop only; NaN / Inf semantics kept), torch's
-  einsum (MKL sgemm) has its own order: scores agree to ~1e-6 relative to Σ_h |w_h · q_h·k| / √dI.
+  einsum (MKL sgemm) has its own order. Tolerance: |ours - reference| <= 1e-6 · Σ_h |w_h| ·
+  (|q_h|·|k|) / √dI (measured ~1e-8 of that at Hi = 64, dI = 128; either is as close to fp64).
   The rest is the reference's op sequence: ReLU (keeping NaN), times 1/√dI in fp32, times
-  w = weights · weight_scale (fp32, formed as the reference does), summed over h in order.
+  w = weights · weight_scale (fp32, formed as the reference does), summed over h from h = 0
+  (torch's sum may group the heads differently).
+- The dot runs in 256-bit vectors (LLVM prefers them on AVX-512 cores and numba offers no
+  per-function override), about half of MKL's sgemm rate: it is most of the time at long
+  context; decode, the epilogue and the selection are ~25% together.
 - Given the scores the selection is exact: key = (orderable score bits << 32) | (2^32 - 1 - e),
   NaN read as -inf and -0 as +0 first, so keys are unique and the k largest, in descending key
   order, are exactly the stable sort's first k. With exactly representable scores (small dyadic
@@ -173,39 +178,52 @@ def _select(scores, n, keys, picked):
 
 
 @njit(cache=True, error_model="numpy")
+def _limit(length, position, ratio, e_max):
+    """Entries a query at ``position`` sees: min(n_b, (p + 1) // m), never past the entry axis."""
+    return min(length, max(position + 1, 0) // ratio, e_max)
+
+
+@njit(cache=True, error_model="numpy")
+def _sequence(b, q, w, hi, records, kind, table, per_block, lengths, positions, ratio, e_max, scale, idx, slots,
+              tile, dots, scores, keys, picked):
+    """Sequence b: its widest row's entries scored tile by tile for all its rows (the keys are
+    decoded once), then each row's top-k and their slots."""
+    t_n = positions.shape[1]
+    widest = 0
+    for t in range(t_n):
+        widest = max(widest, _limit(lengths[b], positions[b, t], ratio, e_max))
+    for e0 in range(0, widest, _TILE):
+        n = min(_TILE, widest - e0)
+        _load_tile(records, kind, table, b, per_block, e0, n, tile)
+        for t in range(t_n):
+            _score_tile(q[b, t], w[b, t], hi, tile, n, scale, dots, scores[t, e0:e0 + n])
+    for t in range(t_n):
+        _select(scores[t], _limit(lengths[b], positions[b, t], ratio, e_max), keys, picked)
+        for i in range(picked.shape[0]):
+            e = picked[i]
+            idx[b, t, i] = e
+            slots[b, t, i] = -1 if e < 0 else table[b, e // per_block] * per_block + e % per_block
+
+
+@njit(cache=True, error_model="numpy")
 def _indexer_topk(q_arg, w_arg, hi, records_arg, kind, table_arg, per_block, lengths_arg, positions_arg, ratio, e_max,
                   scale, idx_arg, slots_arg, tile_arg, dots_arg, scores_arg, keys_arg, picked_arg):
     """q [B, t, Hi4, dI] fp32, w [B, t, Hi] fp32, records [S, record] uint8 (one per slot),
     table [B, F] int64, lengths [B], positions [B, t] -> idx, slots int32 [B, t, k].
 
-    Scratch from the caller: tile [TILE, dI], dots [Hi4, TILE], scores [t, ≥ widest] fp32,
-    keys [≥ widest] uint64, picked [k] int64. Every array is ``borrow``-ed: the many small
-    slices below then cost no reference counting (which would dominate the 4 x 4 blocks)."""
+    Scratch from the caller: tile [TILE, dI], dots [Hi4, TILE], scores [t, >= widest] fp32,
+    keys [>= widest] uint64, picked [k] int64. Every array is ``borrow``-ed: the many small
+    slices then cost no reference counting (which otherwise took as long as the dots).
+
+    Serial over sequences: a prange over them measured no faster at one thread, and slower at
+    two on a shared 2-core machine (parallel-region start-up next to torch's OpenMP pool)."""
     q, w, records, table = borrow(q_arg), borrow(w_arg), borrow(records_arg), borrow(table_arg)
     lengths, positions, idx, slots = borrow(lengths_arg), borrow(positions_arg), borrow(idx_arg), borrow(slots_arg)
     tile, dots, scores, keys = borrow(tile_arg), borrow(dots_arg), borrow(scores_arg), borrow(keys_arg)
     picked = borrow(picked_arg)
-    b_n, t_n = positions.shape
-    for b in range(b_n):
-        widest = 0
-        for t in range(t_n):   # min(n_b, (p + 1) // m), never past the scored entry axis
-            widest = max(widest, _limit(lengths[b], positions[b, t], ratio, e_max))
-        for e0 in range(0, widest, _TILE):
-            n = min(_TILE, widest - e0)
-            _load_tile(records, kind, table, b, per_block, e0, n, tile)
-            for t in range(t_n):
-                _score_tile(q[b, t], w[b, t], hi, tile, n, scale, dots, scores[t, e0:e0 + n])
-        for t in range(t_n):
-            _select(scores[t], _limit(lengths[b], positions[b, t], ratio, e_max), keys, picked)
-            for i in range(picked.shape[0]):
-                e = picked[i]
-                idx[b, t, i] = e
-                slots[b, t, i] = -1 if e < 0 else table[b, e // per_block] * per_block + e % per_block
-
-
-@njit(cache=True, error_model="numpy")
-def _limit(length, position, ratio, e_max):
-    return min(length, max(position + 1, 0) // ratio, e_max)
+    for b in range(positions.shape[0]):
+        _sequence(b, q, w, hi, records, kind, table, per_block, lengths, positions, ratio, e_max, scale, idx, slots,
+                  tile, dots, scores, keys, picked)
 
 
 # ---- torch-facing wrapper -------------------------------------------------------------------------
