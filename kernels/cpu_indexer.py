@@ -39,7 +39,8 @@ from numba import njit
 
 from kernels.cpu_numerics import F32, U32, U64, bits_f32, borrow, e2m1_value, f32_bits, ue8m0_value
 from kernels.formats import get_format
-from kernels.triton.indexer_topk import _check, indexer_topk_reference
+from kernels.decode_reference import check_indexer_topk as _check
+from kernels.decode_reference import indexer_topk_reference
 
 _TILE = 64          # keys decoded and scored at a time: the fp32 tile [64, dI] stays in L1 / L2
 _BLOCK = 4          # micro-kernel: 4 heads x 4 entries of dots in registers

@@ -262,7 +262,7 @@ def mhc_mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     if sinkhorn_iters < 1:
         raise ValueError(f"sinkhorn_iters must be >= 1, got {sinkhorn_iters}")
     if streams.dtype not in (torch.float32, torch.bfloat16):
-        from kernels.triton.mhc_mix import mhc_mix_reference
+        from kernels.decode_reference import mhc_mix_reference
         return mhc_mix_reference(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, collapse, precision,
                                  norm_weight, out_eps)
     src = streams.detach().contiguous()
@@ -321,7 +321,7 @@ def mhc_expand(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb:
         raise ValueError(f"y must be [{t}, {d}], post [{t}, {n}], comb [{t}, {n}, {n}]; got {tuple(y.shape)}, "
                          f"{tuple(post.shape)}, {tuple(comb.shape)}")
     if streams.dtype not in (torch.float32, torch.bfloat16) or y.dtype != streams.dtype:
-        from kernels.triton.mhc_expand import mhc_expand_reference
+        from kernels.decode_reference import mhc_expand_reference
         return mhc_expand_reference(streams, y, post, comb)
     out = torch.empty(t, n, d, dtype=streams.dtype)
     if t:

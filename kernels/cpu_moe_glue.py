@@ -29,7 +29,7 @@ from numba import njit, types
 from numba.extending import overload
 
 from kernels.cpu_numerics import F32, U32, bf16_bits, bits_f32, borrow, f32_bits, load_bits, store_value
-from kernels.triton.moe_ops import gather_rows_reference, moe_combine_reference
+from kernels.decode_reference import gather_rows_reference, moe_combine_reference
 
 
 def round_as(arr, v):

@@ -29,9 +29,8 @@ from numba import njit
 from kernels import cpu_kv
 from kernels.cpu_numerics import F32, U16, U32, bf16_bits, bits_f32, f32_bits, load_bits, pow2, store_value
 from kernels.formats import get_format
-from kernels.triton import compressor_step as _cs
-from kernels.triton import kv_codec
-from kernels.triton import norm_rope as _nr
+from kernels import decode_reference as _ref
+from kernels import pool_layout
 
 _LEVELS = 4                  # torch's multi-row sum keeps 4 cascade levels
 _ILP = 4                     # and sums 4 interleaved vectors in a row reduction
@@ -277,10 +276,10 @@ def _f32(t: torch.Tensor) -> np.ndarray:
 def _raw_pool(pool: torch.Tensor, fmt: str, dim: int) -> tuple[np.ndarray, int]:
     """(pool as [slots, dim] rows, kind) for a raw pool; (None, 0) for a quantized format."""
     if fmt not in _RAW_KIND:
-        kv_codec.pool_args(pool, fmt, dim)                                # validates layout and dtype
+        pool_layout.pool_args(pool, fmt, dim)                                # validates layout and dtype
         return None, 0
-    if pool.dim() != 3 or pool.dtype != kv_codec.RAW_DTYPES[fmt] or pool.shape[2] != dim or not pool.is_contiguous():
-        raise ValueError(f"{fmt} pool must be a contiguous {kv_codec.RAW_DTYPES[fmt]} [.., R, {dim}] tensor, got "
+    if pool.dim() != 3 or pool.dtype != pool_layout.RAW_DTYPES[fmt] or pool.shape[2] != dim or not pool.is_contiguous():
+        raise ValueError(f"{fmt} pool must be a contiguous {pool_layout.RAW_DTYPES[fmt]} [.., R, {dim}] tensor, got "
                          f"{pool.dtype} {tuple(pool.shape)}")
     rows = pool.view(-1, dim)
     return (rows.numpy() if fmt == "fp32" else rows.view(torch.int16).numpy()), _RAW_KIND[fmt]
@@ -295,7 +294,7 @@ def norm_rope(x: torch.Tensor, norm: int = 0, weight: torch.Tensor | None = None
               dtype: torch.dtype | None = None, pre_round: bool = False, pool: torch.Tensor | None = None,
               pool_fmt: str = "fp32", slots: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, H, D] -> [T, H, D] in ``dtype`` (default x.dtype); kernels/triton/norm_rope.py's op."""
-    _nr._check(x, weight, norm, cos, sin, slots)
+    _ref.check_norm_rope(x, weight, norm, cos, sin, slots)
     dtype = x.dtype if dtype is None else dtype
     if dtype not in _FLOAT:
         raise ValueError(f"dtype must be fp32 or bf16, got {dtype}")
@@ -473,10 +472,10 @@ def compressor_step(rows: torch.Tensor, state_pool: torch.Tensor, row_slots: tor
                     positions: torch.Tensor | None = None) -> None:
     """kernels/triton/compressor_step.py's op: append the step's rows to ``state_pool`` and write
     the entries they complete into ``entry_pool`` (in place)."""
-    _cs._check(rows, state_pool, row_slots, entry_slots, norm_weight, cos, sin, ratio, overlap, dtype, ape,
+    _ref.check_compressor_step(rows, state_pool, row_slots, entry_slots, norm_weight, cos, sin, ratio, overlap, dtype, ape,
                positions)
     b, t, two_w = rows.shape
-    width, dim, span = _cs._geometry(rows, ratio, overlap)
+    width, dim, span = _ref.compressor_geometry(rows, ratio, overlap)
     entry_rows, kind = _raw_pool(entry_pool, entry_fmt, dim)
     if b * t == 0:
         return

@@ -53,9 +53,12 @@ def choose_backend(op: str, devices: Mapping[str, torch.device], toolkit: str, t
 
 
 def backend(op: str, toolkit: str, **tensors: torch.Tensor | None) -> str:
-    """choose_backend for the given tensor arguments (None arguments are skipped)."""
+    """choose_backend for the given tensor arguments (None arguments are skipped). The toolkit is
+    imported only for CUDA arguments: a CPU process never loads Triton or CuPy (a CPU install may
+    lack them, and Triton costs a second of start-up and prints binding leaks at exit)."""
     devices = {name: t.device for name, t in tensors.items() if t is not None}
-    return choose_backend(op, devices, toolkit, importable(toolkit))
+    on_cuda = any(d.type == "cuda" for d in devices.values())
+    return choose_backend(op, devices, toolkit, on_cuda and importable(toolkit))
 
 
 @contextlib.contextmanager

@@ -5,8 +5,8 @@ Variants, each an Engine on the same loaded weights (batch B: B prompts of --pro
   default  what the engine runs on CPU: decode steps on the static-shape fused forward
            (engine/fused_decode.py) with the numba kernels of kernels/cpu_decode.py, weights kept
            FP8/FP4 with decode-sized GEMMs on the fused row kernels
-  ref-ops  as default, with kernels/cpu_decode.py's ops swapped for their torch references (the
-           Triton modules' `*_reference`): what the numba kernels save
+  ref-ops  as default, with kernels/cpu_decode.py's ops swapped for their torch references
+           (kernels/decode_reference.py): what the numba kernels save
   per-seq  decode steps on the per-sequence path (`static_decode=False`, engine/attention.py's
            SequenceContext: torch ops per sequence and layer)
   tiled    as default, every GEMM on the tiled path (tile decode + sgemm)
@@ -61,14 +61,8 @@ def step_ms(model, batch: int, prompt_len: int, steps: int, static: bool = True)
 @contextlib.contextmanager
 def reference_ops():
     """kernels/cpu_decode.py's ops replaced by the torch references they were checked against."""
-    from kernels.triton import compressor_step, indexer_topk, mhc_expand, mhc_mix, moe_ops, norm_rope
-    from kernels.triton import sparse_mla_decode
-    refs = {"compressor_step": compressor_step.compressor_step_reference,
-            "indexer_topk": indexer_topk.indexer_topk_reference, "mhc_expand": mhc_expand.mhc_expand_reference,
-            "mhc_mix": mhc_mix.mhc_mix_reference, "gather_rows": moe_ops.gather_rows_reference,
-            "moe_combine": moe_ops.moe_combine_reference, "swiglu": moe_ops.swiglu_reference,
-            "norm_rope": norm_rope.norm_rope_reference,
-            "sparse_mla_decode": sparse_mla_decode.sparse_mla_decode_reference}
+    from kernels import decode_reference as ref
+    refs = {name: getattr(ref, f"{name}_reference") for name in cpu_decode.__all__}
     saved = {name: getattr(cpu_decode, name) for name in refs}
     try:
         for name, fn in refs.items():

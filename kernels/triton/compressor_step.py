@@ -24,9 +24,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import reference
 from kernels.triton import kv_codec
-from kernels.triton.sparse_mla_decode import read_records
+from kernels.decode_reference import check_compressor_step as _check
+from kernels.decode_reference import compressor_geometry as _geometry
+from kernels.decode_reference import compressor_step_reference  # noqa: F401 (re-exported)
 
 _FLOAT_DTYPES = {torch.float32: False, torch.bfloat16: True}
 
@@ -132,38 +133,6 @@ def _compressor_step_kernel(
         kv_codec.store_record(entry_pool, slot, ye, yo, DIM, HG, FMT, R, REC, DATA, SCALES, NOPE, NSCALES)
 
 
-def _geometry(rows: torch.Tensor, ratio: int, overlap: bool) -> tuple[int, int, int]:
-    """(width, dim, span) of a compressor from its rows."""
-    width = rows.shape[-1] // 2
-    dim = width // (2 if overlap else 1)
-    return width, dim, (2 if overlap else 1) * ratio
-
-
-def _check(rows, state_pool, row_slots, entry_slots, norm_weight, cos, sin, ratio, overlap, dtype, ape=None,
-           positions=None) -> None:
-    if rows.dim() != 3 or not rows.dtype.is_floating_point or rows.stride(-1) != 1:
-        raise ValueError(f"rows must be float [B, q, 2·width] with unit column stride, got {rows.dtype} "
-                         f"{tuple(rows.shape)}")
-    if rows.dtype != torch.float32 and ape is None:
-        raise ValueError("rows in the compute dtype come raw from the projection: give ape and positions")
-    if (ape is None) != (positions is None):
-        raise ValueError("ape and positions go together")
-    if ape is not None and (ape.shape != (ratio, rows.shape[-1] // 2) or positions.shape != rows.shape[:2]):
-        raise ValueError(f"ape must be [{ratio}, {rows.shape[-1] // 2}] and positions [B, q]")
-    b, t, two_w = rows.shape
-    width, dim, span = _geometry(rows, ratio, overlap)
-    if state_pool.dtype != torch.float32 or state_pool.dim() != 3 or state_pool.shape[2] != two_w:
-        raise ValueError(f"state_pool must be fp32 [blocks, R, {two_w}], got {state_pool.dtype} "
-                         f"{tuple(state_pool.shape)}")
-    if row_slots.shape != (b, span - 1 + t) or entry_slots.shape != (b, t):
-        raise ValueError(f"row_slots must be [{b}, {span - 1 + t}] and entry_slots [{b}, {t}], got "
-                         f"{tuple(row_slots.shape)}, {tuple(entry_slots.shape)}")
-    if norm_weight.shape != (dim,) or cos.shape[:2] != (b, t) or cos.shape != sin.shape:
-        raise ValueError(f"norm_weight must be [{dim}], cos/sin [{b}, {t}, rope/2]")
-    if dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"dtype must be fp32 or bf16, got {dtype}")
-
-
 def compressor_step(rows: torch.Tensor, state_pool: torch.Tensor, row_slots: torch.Tensor,
                     entry_pool: torch.Tensor, entry_fmt: str, entry_slots: torch.Tensor, norm_weight: torch.Tensor,
                     eps: float, cos: torch.Tensor, sin: torch.Tensor, ratio: int, overlap: bool,
@@ -201,54 +170,4 @@ def compressor_step(rows: torch.Tensor, state_pool: torch.Tensor, row_slots: tor
 
 # ---- reference -------------------------------------------------------------------------------
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """engine.layers.rms_norm: fp32 statistics and product, result in x.dtype."""
-    xf = x.float()
-    return (weight.float() * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
 
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """engine.layers.apply_rope on [N, D]: interleaved pairs of the last 2·half channels, in fp32."""
-    half = cos.shape[-1]
-    pairs = x[:, -2 * half:].float().unflatten(-1, (half, 2))
-    even, odd = pairs[..., 0], pairs[..., 1]
-    rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2).to(x.dtype)
-    return torch.cat((x[:, :-2 * half], rotated), dim=-1)
-
-
-def _write(pool: torch.Tensor, fmt: str, slots: torch.Tensor, values: torch.Tensor) -> None:
-    keep = slots >= 0
-    if fmt in kv_codec.RAW_DTYPES:
-        pool.view(-1, pool.shape[-1])[slots[keep]] = values[keep].to(pool.dtype)
-    else:
-        reference.quantize_scatter(values[keep].float(), pool, slots[keep], fmt)
-
-
-def compressor_step_reference(rows: torch.Tensor, state_pool: torch.Tensor, row_slots: torch.Tensor,
-                              entry_pool: torch.Tensor, entry_fmt: str, entry_slots: torch.Tensor,
-                              norm_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor, ratio: int,
-                              overlap: bool, dtype: torch.dtype = torch.float32, ape: torch.Tensor | None = None,
-                              positions: torch.Tensor | None = None) -> None:
-    """The engine's torch maths (attention_decode.compress), over explicit slot tables."""
-    _check(rows, state_pool, row_slots, entry_slots, norm_weight, cos, sin, ratio, overlap, dtype, ape, positions)
-    if ape is not None:  # Compressor.project: [C | Z + ape[p % m]] in fp32
-        w = rows.shape[-1] // 2
-        rows = torch.cat((rows[..., :w].float(), rows[..., w:].float() + ape.float()[positions.long() % ratio]), -1)
-    b, t, two_w = rows.shape
-    width, dim, span = _geometry(rows, ratio, overlap)
-    hist_slots = row_slots[:, : span - 1].long()
-    history = read_records(state_pool, "fp32", hist_slots, two_w)                       # [B, span−1, 2·width]
-    all_rows = torch.cat((history, rows), dim=1)                                         # [B, span−1+q, 2·width]
-    missing = torch.cat((hist_slots < 0, torch.zeros(b, t, dtype=torch.bool)), dim=1)
-    windows = all_rows.unfold(1, span, 1).transpose(-1, -2)                              # [B, q, span, 2·width]
-    miss = missing.unfold(1, span, 1)[..., None]                                         # [B, q, span, 1]
-    kv = windows[..., :width].masked_fill(miss, 0.0)
-    gate = windows[..., width:].masked_fill(miss, float("-inf"))
-    if overlap:
-        kv = torch.cat((kv[..., :ratio, :dim], kv[..., ratio:, dim:]), dim=-2)
-        gate = torch.cat((gate[..., :ratio, :dim], gate[..., ratio:, dim:]), dim=-2)
-    pooled = (kv * torch.softmax(gate, dim=-2)).sum(dim=-2)                             # [B, q, d]
-    normed = _rms_norm(pooled.flatten(0, 1).to(dtype), norm_weight, eps)
-    candidates = _rope(normed, cos.flatten(0, 1).float(), sin.flatten(0, 1).float())    # [B·q, d]
-    _write(entry_pool, entry_fmt, entry_slots.reshape(-1).long(), candidates)
-    _write(state_pool, "fp32", row_slots[:, span - 1:].reshape(-1).long(), rows.reshape(b * t, two_w))

@@ -30,7 +30,8 @@ import triton
 import triton.language as tl
 
 from kernels.triton import kv_codec
-from kernels.triton.sparse_mla_decode import read_records
+from kernels.decode_reference import check_indexer_topk as _check
+from kernels.decode_reference import indexer_topk_reference  # noqa: F401 (re-exported)
 
 
 @triton.jit
@@ -109,20 +110,6 @@ def _topk_kernel(scores_ptr, len_ptr, pos_ptr, table_ptr, idx_ptr, slot_ptr, Q, 
     tl.store(slot_ptr + row.to(tl.int64) * K + j, slot.to(tl.int32), mask=j < K)
 
 
-def _check(q: torch.Tensor, weights: torch.Tensor, block_table: torch.Tensor, lengths: torch.Tensor,
-           positions: torch.Tensor, ratio: int, topk: int) -> None:
-    b, t, hi, _ = q.shape
-    if weights.shape != (b, t, hi) or weights.stride(-1) != 1:
-        raise ValueError(f"weights must be [{b}, {t}, {hi}], got {tuple(weights.shape)}")
-    if block_table.dim() != 2 or block_table.shape[0] != b:
-        raise ValueError(f"block_table must be [{b}, F], got {tuple(block_table.shape)}")
-    if lengths.shape != (b,) or positions.shape != (b, t):
-        raise ValueError(f"lengths must be [{b}] and positions [{b}, {t}], got {tuple(lengths.shape)}, "
-                         f"{tuple(positions.shape)}")
-    if ratio < 1 or topk < 1:
-        raise ValueError(f"ratio and topk must be positive, got {ratio}, {topk}")
-
-
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor, fmt: str, block_table: torch.Tensor,
                  lengths: torch.Tensor, positions: torch.Tensor, ratio: int, topk: int,
                  max_entries: int | None = None, precision: str = "ieee", chunk: int = 1024,
@@ -165,27 +152,3 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor, fmt
     return idx, slots
 
 
-def indexer_topk_reference(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor, fmt: str,
-                           block_table: torch.Tensor, lengths: torch.Tensor, positions: torch.Tensor, ratio: int,
-                           topk: int, max_entries: int | None = None, precision: str = "ieee", chunk: int = 1024,
-                           weight_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch scores over every addressable entry, masked, then a stable descending sort."""
-    _check(q, weights, block_table, lengths, positions, ratio, topk)
-    weights = weights.float() * weight_scale
-    b, t, hi, di = q.shape
-    per_block = pool.shape[1]
-    e_max = block_table.shape[1] * per_block if max_entries is None else max_entries
-    e = torch.arange(e_max)
-    entry_slots = block_table.long()[:, e // per_block] * per_block + e % per_block      # [B, E]
-    keys = read_records(pool, fmt, entry_slots, di)                                     # [B, E, dI]
-    s = torch.einsum("bqhd,bed->bqhe", q.float(), keys).relu() * di**-0.5
-    scores = (s * weights.float()[..., None]).sum(dim=2)                                # [B, q, E]
-    limit = torch.minimum(lengths.long()[:, None], (positions.long() + 1).clamp(min=0) // ratio)  # [B, q]
-    visible = e[None, None, :] < limit[..., None]
-    scores = torch.where(torch.isnan(scores) | ~visible, float("-inf"), scores)
-    # Invisible entries all sit above `limit`, so the stable sort ranks visible -inf ones first.
-    order = scores.sort(dim=-1, descending=True, stable=True).indices[..., :topk]       # [B, q, ≤k]
-    picked = torch.where(order < limit[..., None], order, -1)
-    picked = torch.nn.functional.pad(picked, (0, topk - picked.shape[-1]), value=-1)
-    slot = torch.where(picked >= 0, entry_slots.gather(1, picked.clamp(min=0).flatten(1)).view_as(picked), -1)
-    return picked.int(), slot.int()

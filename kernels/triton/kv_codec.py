@@ -13,51 +13,14 @@ slot = block * R + offset; fp8_ds_mla splits a block into all R data parts then 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
-from kernels.formats import ROPE_DIM, get_format
+# The pool layout is pure Python (kernels/pool_layout.py); re-exported for the kernels here.
+from kernels.pool_layout import (_CODES, FP4_INDEX, FP4_KV, FP8_DS_MLA, RAW, RAW_DTYPES, PoolArgs,  # noqa: F401
+                                 check_dim, pair_group, pool_args, pool_constexprs)
 
-RAW, FP8_DS_MLA, FP4_KV, FP4_INDEX = 0, 1, 2, 3
-_CODES = {"fp8_ds_mla": FP8_DS_MLA, "fp4_kv": FP4_KV, "fp4_index": FP4_INDEX}
-RAW_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-@dataclass(frozen=True)
-class PoolArgs:
-    """The constexpr description of one pool a kernel reads or writes."""
-
-    fmt: int           # RAW / FP8_DS_MLA / FP4_KV / FP4_INDEX
-    records_per_block: int
-    record_bytes: int  # raw: values per record (= D)
-    data_bytes: int
-    group: int         # values per scale (raw: 0)
-    nope: int          # leading block-quantized values (fp8_ds_mla: D - 64; fp4: D; raw: 0)
-    num_scales: int
-    scale_bytes: int
-
-
-def pool_args(pool: torch.Tensor, fmt: str, dim: int) -> PoolArgs:
-    """Validate ``pool`` for records of ``dim`` values in ``fmt`` and describe it."""
-    if pool.dim() != 3 or not pool.is_contiguous():
-        raise ValueError(f"pool must be a contiguous [num_blocks, R, record] tensor, got {tuple(pool.shape)}")
-    if fmt in RAW_DTYPES:
-        if pool.dtype != RAW_DTYPES[fmt] or pool.shape[2] != dim:
-            raise ValueError(f"{fmt} pool must be {RAW_DTYPES[fmt]} [.., R, {dim}], got {pool.dtype} "
-                             f"{tuple(pool.shape)}")
-        return PoolArgs(RAW, pool.shape[1], dim, 0, 0, 0, 0, 0)
-    if fmt not in _CODES:
-        raise ValueError(f"unsupported pool format {fmt!r}")
-    f = get_format(fmt, dim)
-    if pool.dtype != torch.uint8 or pool.shape[2] != f.record_bytes:
-        raise ValueError(f"{fmt} pool must be uint8 [.., R, {f.record_bytes}], got {pool.dtype} {tuple(pool.shape)}")
-    if fmt == "fp8_ds_mla" and f.dim - f.quant_dim != ROPE_DIM:
-        raise ValueError("fp8_ds_mla keeps exactly 64 bf16 rope values")
-    return PoolArgs(_CODES[fmt], pool.shape[1], f.record_bytes, f.data_bytes, f.group, f.quant_dim,
-                    f.num_scales, f.scale_bytes)
 
 
 # ---- scalar bit helpers ---------------------------------------------------------------------
@@ -308,25 +271,6 @@ def store_record(pool, slot, xe, xo, D: tl.constexpr, HG: tl.constexpr, FMT: tl.
         tl.store(pool + scale + gi, scale_codes.to(tl.uint8), mask=gi < NSCALES)
         pad = NSCALES + tl.arange(0, 4)                           # zero padding up to SCALES bytes
         tl.store(pool + scale + pad, tl.zeros([4], tl.uint8), mask=pad < SCALES)
-
-
-def pair_group(a: PoolArgs, dim: int) -> int:
-    """HG for ``store_record``: half a quantization group (raw: any divisor; 32 pairs or fewer)."""
-    if a.fmt == RAW:
-        return min(32, dim // 2)
-    return a.group // 2
-
-
-def pool_constexprs(a: PoolArgs, prefix: str = "") -> dict:
-    """Keyword constexprs for ``load_keys`` / ``store_record`` (``prefix`` names several pools)."""
-    return {f"{prefix}FMT": a.fmt, f"{prefix}R": a.records_per_block, f"{prefix}REC": a.record_bytes,
-            f"{prefix}DATA": a.data_bytes, f"{prefix}SCALES": a.scale_bytes, f"{prefix}NOPE": a.nope,
-            f"{prefix}GROUP": max(a.group, 1)}
-
-
-def check_dim(dim: int) -> None:
-    if dim < 16 or dim & (dim - 1):
-        raise ValueError(f"Triton KV kernels need a power-of-two dim >= 16, got {dim}")
 
 
 # ---- test kernels over the helpers ---------------------------------------------------------------

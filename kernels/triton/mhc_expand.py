@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton import kv_codec
+from kernels.decode_reference import mhc_expand_reference  # noqa: F401 (re-exported)
 
 
 @triton.jit
@@ -56,7 +57,3 @@ def mhc_expand(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb:
     return out
 
 
-def mhc_expand_reference(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    from engine.layers import hc_expand
-
-    return hc_expand(streams, y, post, comb)

@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 
 from kernels.triton import kv_codec
-
+from kernels.decode_reference import check_mhc_mix as _check
+from kernels.decode_reference import mhc_mix_reference  # noqa: F401 (re-exported)
 
 
 @triton.jit
@@ -108,15 +109,6 @@ def _collapse_chunk(streams_ptr, rows, pre_k, k, d0, tmask, D: tl.constexpr, CH:
     return y
 
 
-def _check(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor) -> None:
-    if streams.dim() != 3:
-        raise ValueError(f"streams must be [T, n, D], got {tuple(streams.shape)}")
-    _, n, d = streams.shape
-    if fn.shape != ((2 + n) * n, n * d) or base.shape != ((2 + n) * n,) or scale.shape != (3,):
-        raise ValueError(f"fn must be [{(2 + n) * n}, {n * d}], base [{(2 + n) * n}], scale [3]; got "
-                         f"{tuple(fn.shape)}, {tuple(base.shape)}, {tuple(scale.shape)}")
-
-
 def mhc_mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, sinkhorn_iters: int,
             hc_eps: float, norm_eps: float, collapse: bool = False, precision: str = "ieee",
             norm_weight: torch.Tensor | None = None, out_eps: float = 1e-6) -> tuple[torch.Tensor, ...]:
@@ -148,15 +140,3 @@ def mhc_mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     return (pre, post, comb, out) if collapse else (pre, post, comb)
 
 
-def mhc_mix_reference(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-                      sinkhorn_iters: int, hc_eps: float, norm_eps: float, collapse: bool = False,
-                      precision: str = "ieee", norm_weight: torch.Tensor | None = None,
-                      out_eps: float = 1e-6) -> tuple[torch.Tensor, ...]:
-    """engine.layers.hc_mix_weights (+ hc_collapse, + rms_norm), unchanged."""
-    from engine.layers import hc_collapse, hc_mix_weights, rms_norm
-
-    pre, post, comb = hc_mix_weights(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
-    if not collapse:
-        return pre, post, comb
-    x = hc_collapse(streams, pre)
-    return pre, post, comb, (x if norm_weight is None else rms_norm(x, norm_weight, out_eps))

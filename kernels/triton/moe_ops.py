@@ -16,6 +16,8 @@ import triton
 import triton.language as tl
 
 from kernels.triton import kv_codec
+from kernels.decode_reference import (gather_rows_reference, moe_combine_reference,  # noqa: F401 (re-exported)
+                                      swiglu_reference)
 
 
 @triton.jit
@@ -113,22 +115,4 @@ def moe_combine(y: torch.Tensor, weights: torch.Tensor, inverse: torch.Tensor, s
 
 # ---- references ------------------------------------------------------------------------------
 
-def gather_rows_reference(x: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
-    return x[order.long() // k]
 
-
-def swiglu_reference(h: torch.Tensor, limit: float, row_weight: torch.Tensor | None = None) -> torch.Tensor:
-    from engine.layers import clamped_swiglu
-
-    i = h.shape[1] // 2
-    act = clamped_swiglu(h[:, :i], h[:, i:], limit)
-    return act if row_weight is None else act * row_weight.to(act.dtype)[:, None]
-
-
-def moe_combine_reference(y: torch.Tensor, weights: torch.Tensor, inverse: torch.Tensor,
-                          shared: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """engine/moe.py's weighting, unpermute and sum, then the shared expert's add."""
-    t, k = weights.shape
-    rows = y[inverse.long()] * weights.reshape(-1).to(y.dtype)[:, None]
-    out = rows.view(t, k, y.shape[1]).sum(dim=1).to(dtype)
-    return out if shared is None else out + shared

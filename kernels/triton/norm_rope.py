@@ -21,6 +21,8 @@ import triton
 import triton.language as tl
 
 from kernels.triton import kv_codec
+from kernels.decode_reference import check_norm_rope as _check
+from kernels.decode_reference import norm_rope_reference  # noqa: F401 (re-exported)
 
 _BF16 = {torch.float32: False, torch.bfloat16: True}
 
@@ -79,20 +81,6 @@ def _norm_rope_kernel(x_ptr, stride_t, stride_h, w_ptr, cos_ptr, sin_ptr, out_pt
             kv_codec.store_record(pool, slot, ye, yo, D, HG, FMT, R, REC, DATA, SCALES, NOPE, NSCALES)
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor | None, norm: int, cos: torch.Tensor | None,
-           sin: torch.Tensor | None, slots: torch.Tensor | None) -> None:
-    if x.dim() != 3 or x.stride(-1) != 1:
-        raise ValueError(f"x must be [T, H, D] with unit stride along D, got {tuple(x.shape)} {x.stride()}")
-    if norm not in (0, 1, 2) or (norm == 1) != (weight is not None):
-        raise ValueError("norm is 0 (none), 1 (weighted rms_norm: give weight) or 2 (head_rms_norm)")
-    if weight is not None and weight.shape != (x.shape[-1],):
-        raise ValueError(f"weight must be [{x.shape[-1]}], got {tuple(weight.shape)}")
-    if (cos is None) != (sin is None) or (cos is not None and (cos.shape != sin.shape or cos.shape[0] != x.shape[0])):
-        raise ValueError("cos and sin must both be [T, rope/2] or both None")
-    if slots is not None and slots.shape != (x.shape[0],):
-        raise ValueError(f"slots must be [{x.shape[0]}], got {tuple(slots.shape)}")
-
-
 def norm_rope(x: torch.Tensor, norm: int = 0, weight: torch.Tensor | None = None, eps: float = 1e-6,
               cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, inverse: bool = False,
               dtype: torch.dtype | None = None, pre_round: bool = False, pool: torch.Tensor | None = None,
@@ -130,23 +118,3 @@ def norm_rope(x: torch.Tensor, norm: int = 0, weight: torch.Tensor | None = None
 
 # ---- reference -------------------------------------------------------------------------------
 
-def norm_rope_reference(x: torch.Tensor, norm: int = 0, weight: torch.Tensor | None = None, eps: float = 1e-6,
-                        cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, inverse: bool = False,
-                        dtype: torch.dtype | None = None, pre_round: bool = False, pool: torch.Tensor | None = None,
-                        pool_fmt: str = "fp32", slots: torch.Tensor | None = None) -> torch.Tensor:
-    """engine.layers' rms_norm / head_rms_norm / apply_rope, then a reference record write."""
-    from engine.layers import apply_rope, head_rms_norm, rms_norm
-    from kernels.triton.compressor_step import _write
-
-    _check(x, weight, norm, cos, sin, slots)
-    dtype = x.dtype if dtype is None else dtype
-    y = x.to(dtype) if pre_round or x.dtype != dtype else x
-    if norm == 1:
-        y = rms_norm(y, weight, eps)
-    elif norm == 2:
-        y = head_rms_norm(y, eps)
-    if cos is not None:
-        y = apply_rope(y, cos.float(), sin.float(), inverse=inverse)
-    if pool is not None:
-        _write(pool, pool_fmt, slots.long(), y.reshape(x.shape[0], -1)[:, : x.shape[-1]])
-    return y.contiguous()

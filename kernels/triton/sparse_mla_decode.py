@@ -33,8 +33,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import reference
 from kernels.triton import kv_codec
+from kernels.decode_reference import check_sparse_mla_decode as _check
+from kernels.decode_reference import read_records, sparse_mla_decode_reference  # noqa: F401 (re-exported)
 
 # M = tokens × heads of one program; a verify step folds its tokens into M. At D = 512 on sm_90a
 # (bf16 dots, 8 warps) M = 16 compiles to 255 regs / 52 B spill, M = 32 to 255 regs / ~1.3 KB,
@@ -156,18 +157,6 @@ def _sparse_mla_decode_kernel(
     tl.store(out_ptr + q_off, tl.where(bad[:, None], float("nan"), acc / l_i[:, None]), mask=live[:, None])
 
 
-def _check(q: torch.Tensor, sink: torch.Tensor, window_slots: torch.Tensor, entry_slots: torch.Tensor | None,
-           new_kv: torch.Tensor | None) -> None:
-    b, t, h, _ = q.shape
-    if sink.shape != (h,):
-        raise ValueError(f"sink must be [{h}], got {tuple(sink.shape)}")
-    for name, slots in (("window_slots", window_slots), ("entry_slots", entry_slots)):
-        if slots is not None and (slots.dim() != 3 or slots.shape[:2] != (b, t) or slots.dtype.is_floating_point):
-            raise ValueError(f"{name} must be int [{b}, {t}, N], got {slots.dtype} {tuple(slots.shape)}")
-    if new_kv is not None and new_kv.shape != (b, t, q.shape[-1]):
-        raise ValueError(f"new_kv must be [{b}, {t}, {q.shape[-1]}], got {tuple(new_kv.shape)}")
-
-
 def program_shape(tokens: int) -> tuple[int, int]:
     """(Q_PAD, BLOCK_H) for q tokens per sequence: M = Q_PAD·BLOCK_H ≤ ROWS_PER_PROGRAM rows (more
     for q > 32), at least 16 (tl.dot's smallest M), at most 16 heads. A shared table is read once
@@ -217,41 +206,4 @@ def sparse_mla_decode(q: torch.Tensor, sink: torch.Tensor, window_pool: torch.Te
 
 # ---- reference -------------------------------------------------------------------------------
 
-def read_records(pool: torch.Tensor, fmt: str, slots: torch.Tensor, dim: int) -> torch.Tensor:
-    """Gather + dequantize slots [...] (-1 -> zero row) -> fp32 [..., dim] via kernels.reference."""
-    flat = slots.reshape(-1).long()
-    if fmt in kv_codec.RAW_DTYPES:
-        rows = pool.reshape(-1, dim)[flat.clamp(min=0)].float()
-        rows = torch.where((flat >= 0)[:, None], rows, 0.0)
-    else:
-        rows = reference.gather_dequantize(pool, flat, fmt, torch.float32, dim)
-    return rows.view(*slots.shape, dim)
-
-
-def sparse_mla_decode_reference(q: torch.Tensor, sink: torch.Tensor, window_pool: torch.Tensor, window_fmt: str,
-                                window_slots: torch.Tensor, entry_pool: torch.Tensor | None = None,
-                                entry_fmt: str = "fp32", entry_slots: torch.Tensor | None = None,
-                                new_kv: torch.Tensor | None = None, scale: float | None = None,
-                                precision: str = "ieee", block_n: int = 16, window_shared: bool = False,
-                                entries_shared: bool = False) -> torch.Tensor:
-    """Plain gather, dequantize and softmax over [window | entries | new | sink], row by row (the
-    sharing flags only say how the kernel may read: the answer is the same)."""
-    _check(q, sink, window_slots, entry_slots, new_kv)
-    b, t, h, d = q.shape
-    scale = d**-0.5 if scale is None else scale
-    qf = q.float()
-    keys = [read_records(window_pool, window_fmt, window_slots, d)]                 # [B, q, W, D]
-    valid = [window_slots >= 0]
-    if entry_pool is not None and entry_slots is not None:
-        keys.append(read_records(entry_pool, entry_fmt, entry_slots, d))            # [B, q, K, D]
-        valid.append(entry_slots >= 0)
-    if new_kv is not None:
-        keys.append(new_kv.float()[:, None].expand(b, t, t, d))                     # [B, q, q, D]
-        valid.append(torch.ones(t, t, dtype=torch.bool).tril().expand(b, t, t))
-    keys, valid = torch.cat(keys, dim=2), torch.cat(valid, dim=2)                  # [B, q, L, D], [B, q, L]
-    logits = torch.einsum("bqhd,bqld->bqhl", qf, keys) * scale
-    logits = logits.masked_fill(~valid[:, :, None, :], float("-inf"))
-    sinks = sink.float().view(1, 1, h, 1).expand(b, t, h, 1)
-    probs = torch.softmax(torch.cat((logits, sinks), dim=-1), dim=-1)[..., :-1]    # the sink takes no value
-    return torch.einsum("bqhl,bqld->bqhd", probs, keys)
 
