@@ -421,8 +421,8 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # overrides the memory budget for the growable (full) pools
     block_size: int = 256
     cuda_graph_sizes: tuple[int, ...] = ()
-    # Static-shape decode/verify steps (captured as CUDA graphs on GPU). None = the device's
-    # default: on for CUDA unless enforce_eager, off on CPU.
+    # Static-shape decode/verify steps (captured as CUDA graphs on GPU, fused numba kernels on
+    # CPU). None = the default: on unless enforce_eager (V4; V4.1 has no static path yet).
     static_decode: bool | None = None
     enforce_eager: bool = False  # never capture CUDA graphs (a static path, if on, runs uncaptured)
     # Verify only as many of the k drafts as pay for themselves (engine/spec_control.py).

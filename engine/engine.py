@@ -81,7 +81,8 @@ class Engine:
             raise ValueError("DeepSeek-V4.1 has no static-shape decode path (--static-decode)")
         if static:
             depths = tuple(range(1, k + 2)) if config.adaptive_speculation else (1, 1 + k)
-            self.static = StaticDecodeBackend(model, self.cache, config.cuda_graph_sizes, depths, max_len,
+            sizes = static_batch_sizes(config, model.device)
+            self.static = StaticDecodeBackend(model, self.cache, sizes, depths, max_len,
                                               capture=model.device.type == "cuda" and not config.enforce_eager,
                                               draft_steps=k > 0)
             self.static.capture_all()
@@ -193,10 +194,20 @@ class Engine:
 
 
 def static_decode_default(device: torch.device) -> bool:
-    """CUDA: on (graph replay removes the per-kernel launch cost that dominates decode). CPU: off;
-    with no launch cost to save, the per-sequence path reads only the entries each sequence
-    has instead of a padded context bucket (`perf/bench_cuda_graphs.py` measures both)."""
-    return device.type == "cuda"
+    """On for both devices. CUDA: graph replay removes the per-kernel launch cost that dominates
+    decode. CPU: the static forward runs a few fused numba kernels per layer (kernels/cpu_decode.py)
+    where the per-sequence path runs ~100 torch ops per sequence and layer; on tiny6 it measured
+    faster at batch 1 and 16 (`perf/bench_cpu_decode.py --variants static`)."""
+    return device.type in ("cuda", "cpu")
+
+
+def static_batch_sizes(config: EngineConfig, device: torch.device) -> tuple[int, ...]:
+    """Batch sizes the static path runs. CUDA: the captured sizes (a batch pads up to the next).
+    CPU: every size up to max_num_seqs, since nothing is captured and a padding row would only
+    cost its share of each GEMM and of the MoE (its token is routed like a real one)."""
+    if device.type == "cpu":
+        return tuple(range(1, config.max_num_seqs + 1))
+    return config.cuda_graph_sizes
 
 
 def default_dtype(config: EngineConfig, device: str) -> torch.dtype:
