@@ -8,7 +8,7 @@ kernels on CPU), per layer:
   mHC      mhc_mix (Sinkhorn + collapse + the block's RMSNorm), mhc_expand        2 × 2
   attn     x → [wq_a | wkv] and [compressor / indexer wkv, wgate, weights_proj]  ≤ 2 GEMMs
            q_res RMSNorm; kv RMSNorm + RoPE + window write; q head-norm + RoPE      3
-           q_res → [wq_b | indexer wq_b]                                            1 GEMM
+           q_res → wq_b (| indexer wq_b, packed, when the shape indexes: CSA)       1 GEMM
            compressor_step per compressor (ape added inside)                        ≤ 2
            indexer_topk over each sequence's real entry count (CSA, sparse)        2
            sparse_mla_decode (window + picked entries + the step's keys)           1
@@ -50,11 +50,19 @@ class _AttentionPlan:
             x_names += ["idx_c", "idx_z", "idx_w"]
             x_lins += [attn.indexer.compressor.wkv, attn.indexer.compressor.wgate, attn.indexer.weights_proj]
         self.x_names, self.x_proj = x_names, PackedLinear(x_lins)
-        q_lins = [attn.wq_b] + ([attn.indexer.wq_b] if attn.indexer is not None else [])
-        self.q_proj = PackedLinear(q_lins)
+        self.q_proj = PackedLinear([attn.wq_b])
+        # With the indexer's queries (a shape whose entries outnumber its top-k), packed with wq_b
+        self.q_index_proj = PackedLinear([attn.wq_b, attn.indexer.wq_b]) if attn.indexer is not None else None
 
     def project(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         return dict(zip(self.x_names, self.x_proj(x)))
+
+    def uses_indexer(self, max_context: int) -> bool:
+        """Whether a shape reaching `max_context` positions picks entries by the indexer: only when
+        it can hold more entries than the top-k (below that every visible entry is attended, and
+        the index queries, an [H_I·d_I, q_lora] GEMM, would be computed for nothing)."""
+        indexer = self.attn.indexer
+        return indexer is not None and indexer.topk < max_context // self.attn.ratio
 
 
 class FusedDecoder:
@@ -131,13 +139,15 @@ class FusedDecoder:
         window_pool, window_fmt = _pool(refs["window"])
         kv = kernels.norm_rope(out["kv"].unsqueeze(1), 1, attn.kv_norm, eps, cos, sin, pool=window_pool,
                                pool_fmt=window_fmt, slots=meta.window_writes).view(b, q, -1)
-        q_out = plan.q_proj(q_res)
+        indexed = plan.uses_indexer(batch.max_context)
+        q_out = (plan.q_index_proj if indexed else plan.q_proj)(q_res)
         qh = kernels.norm_rope(q_out[0].view(t, cfg.num_heads, cfg.head_dim), 2, None, eps, cos, sin)
         entry_pool = entry_slots = None
         entry_fmt, entries_shared = "fp32", False
         if attn.compressor is not None:
-            entry_pool, entry_fmt, entry_slots, entries_shared = self._entries(attn, out, q_out, cos, sin, refs, batch,
-                                                                               meta, dtype)
+            index_q = q_out[1] if indexed else None
+            entry_pool, entry_fmt, entry_slots, entries_shared = self._entries(attn, out, index_q, cos, sin, refs,
+                                                                               batch, meta, dtype)
         # StepMeta's window and visible-entry tables are shared by a sequence's rows (one slot per
         # column): a verify step reads those records once per sequence, not once per token
         o = kernels.sparse_mla_decode(qh.view(b, q, cfg.num_heads, -1), attn.attn_sink, window_pool, window_fmt,
@@ -148,9 +158,10 @@ class FusedDecoder:
         low = attn.wo_a(o.view(t, cfg.o_groups, -1)).flatten(1)  # [T, G·o_lora]
         return attn.wo_b(low)
 
-    def _entries(self, attn, out, q_out, cos, sin, refs, batch: DecodeBatch, meta: StepMeta, dtype):
+    def _entries(self, attn, out, index_q, cos, sin, refs, batch: DecodeBatch, meta: StepMeta, dtype):
         """Compress this step's rows; (entry pool, format, slots [B, q, K], whether the slot table is
-        shared by a sequence's rows) the queries attend."""
+        shared by a sequence's rows) the queries attend. index_q: the indexer's raw queries [T,
+        H_I·d_I] when the shape picks entries by the indexer (`_AttentionPlan.uses_indexer`)."""
         m, (b, q) = attn.ratio, meta.positions.shape
         comp = attn.compressor
         self._compress(comp, out["comp_c"], out["comp_z"], refs["comp_rows"], refs["comp_entries"], meta, dtype)
@@ -160,9 +171,9 @@ class FusedDecoder:
                            meta, dtype)
         pool, fmt = _pool(refs["comp_entries"])
         num_entries = batch.max_context // m
-        if indexer is None or indexer.topk >= num_entries:
+        if index_q is None:
             return pool, fmt, meta.visible[m], True  # every visible entry: one table per sequence
-        iq = kernels.norm_rope(q_out[1].view(b * q, indexer.num_heads, indexer.head_dim), 0, None, 0.0, cos, sin)
+        iq = kernels.norm_rope(index_q.view(b * q, indexer.num_heads, indexer.head_dim), 0, None, 0.0, cos, sin)
         keys, key_fmt = _pool(refs["index_keys"])
         _, slots = kernels.indexer_topk(iq.view(b, q, indexer.num_heads, -1),
                                         out["idx_w"].view(b, q, indexer.num_heads), keys, key_fmt, meta.full_table,

@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-from numba import njit, prange, types
+from numba import get_num_threads, njit, prange, types
 from numba.extending import overload
 
 from kernels import checks
@@ -39,7 +39,11 @@ TILE_BYTES = 1 << 21     # fp32 weight tile per mm: about a core's L2 (larger ti
 # they won at M <= 4 (1.1-3x) and lost at 16 (0.6x), where sgemm's register blocking pays off
 # (perf/bench_quant_gemm.py prints both paths per M).
 GEMV_MAX_ROWS = 4
-ROWS_PER_TASK = 16       # weight rows per parallel task of the fused kernels (one row buffer each)
+# The fused kernels split their weight rows into about TASKS_PER_THREAD parallel tasks per
+# thread (at least ROWS_PER_TASK rows each): enough to balance threads, few enough that the
+# buffers each task allocates cost nothing (16-row tasks spent ~25% of a batch-1 GEMV there).
+ROWS_PER_TASK = 16
+TASKS_PER_THREAD = 4
 # Reassociation (and FMA contraction) lets LLVM vectorise the fp32 dot products; unlike full
 # fastmath it keeps IEEE NaN / Inf semantics, so a NaN weight or activation still poisons its sums.
 _DOT_MATH = {"reassoc", "contract"}
@@ -210,15 +214,15 @@ def _decode_fp4_row(src, srow, group, pair_table, pairs, dst):
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
-def _fp8_gemv(codes_arg, scale_arg, block_n, block_k, a_arg, out_arg):
+def _fp8_gemv(codes_arg, scale_arg, block_n, block_k, a_arg, out_arg, per):
     """out[m, n] = a[m] . (e4m3(codes[n]) * scale[n // block_n]); codes [N, K] u8, a [M, K], out [M, N]."""
     codes, scale = borrow(codes_arg), borrow(scale_arg)
     a, out = borrow(a_arg), borrow(out_arg)
     n, k = codes.shape
-    for task in prange((n + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
-        w, scaled = np.empty(k, np.float32), np.empty(a.shape, np.float32)  # [K] this thread's row, [M, K]
+    for task in prange((n + per - 1) // per):
+        w, scaled = np.empty(k, np.float32), np.empty(a.shape, np.float32)  # [K] this task's row, [M, K]
         block = -1
-        for r in range(task * ROWS_PER_TASK, min(n, (task + 1) * ROWS_PER_TASK)):
+        for r in range(task * per, min(n, (task + 1) * per)):
             if r // block_n != block:
                 block = r // block_n
                 _scale_activations(a, scale[block], block_k, scaled)
@@ -227,15 +231,15 @@ def _fp8_gemv(codes_arg, scale_arg, block_n, block_k, a_arg, out_arg):
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
-def _fp4_gemv(packed_arg, scale_arg, pair_table_arg, group, a_arg, out_arg):
+def _fp4_gemv(packed_arg, scale_arg, pair_table_arg, group, a_arg, out_arg, per):
     """out[m, n] = a[m] . (e2m1(packed[n]) * scale[n, k // group]); packed [N, K/2] u8, out [M, N]."""
     packed, scale, pair_table, a, out = (borrow(packed_arg), borrow(scale_arg), borrow(pair_table_arg),
                                          borrow(a_arg), borrow(out_arg))
     n, half = packed.shape
-    for task in prange((n + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
+    for task in prange((n + per - 1) // per):
         pairs = np.empty(half, np.uint64)
         w = pairs.view(np.float32)                                  # [K]
-        for r in range(task * ROWS_PER_TASK, min(n, (task + 1) * ROWS_PER_TASK)):
+        for r in range(task * per, min(n, (task + 1) * per)):
             _decode_fp4_row(packed[r], scale[r], group, pair_table, pairs, w)
             _dot_rows(w, a, r, out)
 
@@ -254,7 +258,7 @@ def _active_experts(ends, max_rows):
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
-def _fp8_grouped_gemv(codes_arg, scale_arg, block_n, block_k, a_arg, ends_arg, max_rows, out_arg):
+def _fp8_grouped_gemv(codes_arg, scale_arg, block_n, block_k, a_arg, ends_arg, max_rows, out_arg, per):
     """Slots [first, ends[e]) of expert e through its weight codes[e] [N, K], for every expert
     with 1..max_rows slots (the others' slots are left as they are); out [S, N]. Parallel over
     (expert, row task) pairs, so the few active experts of a decode step spread over every thread."""
@@ -262,13 +266,14 @@ def _fp8_grouped_gemv(codes_arg, scale_arg, block_n, block_k, a_arg, ends_arg, m
     a, out = borrow(a_arg), borrow(out_arg)
     n, k = codes.shape[1], codes.shape[2]
     active, first = _active_experts(borrow(ends_arg), max_rows)
-    tasks = (n + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    per = min(n, per)
+    tasks = (n + per - 1) // per
     for t in prange(active.shape[0] * tasks):
         e, task = active[t // tasks], t % tasks
         rows = a[first[t // tasks]:ends_arg[e]]
         w, scaled = np.empty(k, np.float32), np.empty(rows.shape, np.float32)
         block = -1
-        for r in range(task * ROWS_PER_TASK, min(n, (task + 1) * ROWS_PER_TASK)):
+        for r in range(task * per, min(n, (task + 1) * per)):
             if r // block_n != block:
                 block = r // block_n
                 _scale_activations(rows, scale[e, block], block_k, scaled)
@@ -277,19 +282,20 @@ def _fp8_grouped_gemv(codes_arg, scale_arg, block_n, block_k, a_arg, ends_arg, m
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
-def _fp4_grouped_gemv(packed_arg, scale_arg, pair_table_arg, group, a_arg, ends_arg, max_rows, out_arg):
+def _fp4_grouped_gemv(packed_arg, scale_arg, pair_table_arg, group, a_arg, ends_arg, max_rows, out_arg, per):
     """As _fp8_grouped_gemv for packed e2m1 experts [E, N, K/2] with per-row group scales."""
     packed, scale, pair_table, a, out = (borrow(packed_arg), borrow(scale_arg), borrow(pair_table_arg),
                                          borrow(a_arg), borrow(out_arg))
     n, half = packed.shape[1], packed.shape[2]
     active, first = _active_experts(borrow(ends_arg), max_rows)
-    tasks = (n + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    per = min(n, per)
+    tasks = (n + per - 1) // per
     for t in prange(active.shape[0] * tasks):
         e, task = active[t // tasks], t % tasks
         rows = a[first[t // tasks]:ends_arg[e]]
         pairs = np.empty(half, np.uint64)
         w = pairs.view(np.float32)
-        for r in range(task * ROWS_PER_TASK, min(n, (task + 1) * ROWS_PER_TASK)):
+        for r in range(task * per, min(n, (task + 1) * per)):
             _decode_fp4_row(packed[e, r], scale[e, r], group, pair_table, pairs, w)
             _dot_rows(w, rows, r, out[first[t // tasks]:ends_arg[e]])
 
@@ -347,6 +353,11 @@ def _activation(x: torch.Tensor, act_quant: bool, act_group: int) -> torch.Tenso
     return _act_f32(x, act_group) if act_quant else x.float().contiguous()
 
 
+def _rows_per_task(rows: int) -> int:
+    """Weight rows per parallel task of a fused kernel doing `rows` weight rows of work."""
+    return max(ROWS_PER_TASK, -(-rows // (TASKS_PER_THREAD * get_num_threads())))
+
+
 def _tiled_mm(a: torch.Tensor, n: int, row_align: int, dequant: Callable[[int, int, np.ndarray], None]) -> torch.Tensor:
     """a fp32 [M, K] @ W^T for W [N, K] produced tile by tile by dequant(n0, n1, buf) -> fp32 [N, M]."""
     m, k = a.shape
@@ -369,7 +380,7 @@ def _fp8_mm(a: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: t
         return torch.empty(0, weight.shape[0])
     if a.shape[0] <= GEMV_MAX_ROWS:
         out = torch.empty(a.shape[0], weight.shape[0])        # [M, N]
-        _fp8_gemv(codes, s, bn, bk, a.numpy(), out.numpy())
+        _fp8_gemv(codes, s, bn, bk, a.numpy(), out.numpy(), _rows_per_task(weight.shape[0]))
         return out
 
     def dequant(n0: int, n1: int, buf: np.ndarray) -> None:
@@ -384,7 +395,7 @@ def _fp4_mm(a: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, group: i
         return torch.empty(0, packed.shape[0])
     if a.shape[0] <= GEMV_MAX_ROWS:
         out = torch.empty(a.shape[0], packed.shape[0])
-        _fp4_gemv(pairs, s, E2M1_PAIR_TABLE, group, a.numpy(), out.numpy())
+        _fp4_gemv(pairs, s, E2M1_PAIR_TABLE, group, a.numpy(), out.numpy(), _rows_per_task(packed.shape[0]))
         return out
 
     def dequant(n0: int, n1: int, buf: np.ndarray) -> None:
@@ -416,20 +427,22 @@ def fp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, act_q
 
 
 def _grouped(a: torch.Tensor, n: int, offsets: torch.Tensor, out_dtype: torch.dtype,
-             fused: Callable[[np.ndarray, int, np.ndarray], None],
+             fused: Callable[[np.ndarray, int, int, np.ndarray], None],
              expert_mm: Callable[[torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
     """Expert e's rows [offsets[e-1], offsets[e]) of a fp32 [S, K] through expert e -> [S, N];
     experts without rows are never decoded; rows past offsets[-1] stay zero. One fused call
     fused(ends, max_rows, out) does every expert with at most GEMV_MAX_ROWS rows (all of them in
     a decode step); expert_mm(rows, e) -> fp32 [rows, N] does each expert with more (the tiled
-    path), so a batch where a few experts are popular still decodes the rest in one call."""
+    path), so a batch where a few experts are popular still decodes the rest in one call (its
+    third argument: how many experts that call decodes)."""
     ends = offsets.to(torch.int64).numpy()
     counts = np.diff(ends, prepend=0)
     out = torch.zeros(a.shape[0], n)                        # [S, N] fp32
     if not a.shape[0]:
         return _finish(out, out_dtype)
-    if ((counts > 0) & (counts <= GEMV_MAX_ROWS)).any():
-        fused(ends, GEMV_MAX_ROWS, out.numpy())
+    light = int(((counts > 0) & (counts <= GEMV_MAX_ROWS)).sum())
+    if light:
+        fused(ends, GEMV_MAX_ROWS, light, out.numpy())
     for e in np.flatnonzero(counts > GEMV_MAX_ROWS).tolist():
         start, end = int(ends[e] - counts[e]), int(ends[e])
         out[start:end] = expert_mm(a[start:end], e)
@@ -443,8 +456,9 @@ def fp8_grouped_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, o
     a = _activation(x, act_quant, act_group)
     bn, bk = block
 
-    def fused(ends: np.ndarray, max_rows: int, out: np.ndarray) -> None:
-        _fp8_grouped_gemv(_np(weight), _np(scale), bn, bk, a.numpy(), ends, max_rows, out)
+    def fused(ends: np.ndarray, max_rows: int, light: int, out: np.ndarray) -> None:
+        _fp8_grouped_gemv(_np(weight), _np(scale), bn, bk, a.numpy(), ends, max_rows, out,
+                          _rows_per_task(weight.shape[1] * light))
     return _grouped(a, weight.shape[1], offsets, out_dtype or x.dtype, fused,
                     lambda rows, e: _fp8_mm(rows, weight[e], scale[e], (bn, bk)))
 
@@ -455,7 +469,8 @@ def fp4_grouped_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, o
     checks.check_fp4_gemm("fp4_grouped_mm", x, packed, scale, group, offsets, out_dtype, act_group)
     a = _activation(x, act_quant, act_group)
 
-    def fused(ends: np.ndarray, max_rows: int, out: np.ndarray) -> None:
-        _fp4_grouped_gemv(_np(packed), _np(scale), E2M1_PAIR_TABLE, group, a.numpy(), ends, max_rows, out)
+    def fused(ends: np.ndarray, max_rows: int, light: int, out: np.ndarray) -> None:
+        _fp4_grouped_gemv(_np(packed), _np(scale), E2M1_PAIR_TABLE, group, a.numpy(), ends, max_rows, out,
+                          _rows_per_task(packed.shape[1] * light))
     return _grouped(a, packed.shape[1], offsets, out_dtype or x.dtype, fused,
                     lambda rows, e: _fp4_mm(rows, packed[e], scale[e], group))
