@@ -31,15 +31,16 @@ import torch
 from numba import get_num_threads, njit, prange
 
 from kernels import cpu_kv
+from kernels.cpu_dots import dot4x4
 from kernels.cpu_numerics import F32, U8, U32, bits_f32, borrow, f32_bits, load_bits
+from kernels.decode_reference import check_sparse_mla_decode
+from kernels.pool_layout import pool_args
 
 BLOCK = 16   # keys per online-softmax step: kb is 16 × D fp32 (32 KB at D = 512, in L1)
 GROUP = 4    # keys dotted / accumulated in one pass over D (a block is padded to it with zero keys)
 # Reassociation (and FMA contraction) lets LLVM vectorise the dots and the accumulation over D;
 # unlike full fastmath it keeps IEEE NaN / Inf semantics.
 _DOT_MATH = {"reassoc", "contract"}
-_RAW = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
-_QUANTIZED = ("fp8_ds_mla", "fp4_kv", "fp4_index")
 _INF = F32(np.inf)
 _NAN = F32(np.nan)
 
@@ -75,36 +76,6 @@ def _borrow_source(src):
 
 
 @njit(cache=True, error_model="numpy", fastmath=_DOT_MATH)
-def _dot4x4(q0, q1, q2, q3, k0, k1, k2, k3, scale, s, h, n):
-    """s[h + i, n + j] = scale · q_i · k_j for a tile of 4 heads × 4 keys: 8 loads per 16 FMAs."""
-    a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = F32(0)
-    a20 = a21 = a22 = a23 = a30 = a31 = a32 = a33 = F32(0)
-    for d in range(q0.shape[0]):
-        x0, x1, x2, x3 = q0[d], q1[d], q2[d], q3[d]
-        y0, y1, y2, y3 = k0[d], k1[d], k2[d], k3[d]
-        a00 += x0 * y0
-        a01 += x0 * y1
-        a02 += x0 * y2
-        a03 += x0 * y3
-        a10 += x1 * y0
-        a11 += x1 * y1
-        a12 += x1 * y2
-        a13 += x1 * y3
-        a20 += x2 * y0
-        a21 += x2 * y1
-        a22 += x2 * y2
-        a23 += x2 * y3
-        a30 += x3 * y0
-        a31 += x3 * y1
-        a32 += x3 * y2
-        a33 += x3 * y3
-    s[h, n], s[h, n + 1], s[h, n + 2], s[h, n + 3] = a00 * scale, a01 * scale, a02 * scale, a03 * scale
-    s[h + 1, n], s[h + 1, n + 1], s[h + 1, n + 2], s[h + 1, n + 3] = a10 * scale, a11 * scale, a12 * scale, a13 * scale
-    s[h + 2, n], s[h + 2, n + 1], s[h + 2, n + 2], s[h + 2, n + 3] = a20 * scale, a21 * scale, a22 * scale, a23 * scale
-    s[h + 3, n], s[h + 3, n + 1], s[h + 3, n + 2], s[h + 3, n + 3] = a30 * scale, a31 * scale, a32 * scale, a33 * scale
-
-
-@njit(cache=True, error_model="numpy", fastmath=_DOT_MATH)
 def _dot1x4(q0, k0, k1, k2, k3, scale, s, h, n):
     """s[h, n + j] = scale · q0 · k_j (the heads left over from 4-head tiles)."""
     a0 = a1 = a2 = a3 = F32(0)
@@ -125,7 +96,7 @@ def _logits(qf, kb, n_keys, scale, s):
     for n in range(0, n_keys, GROUP):
         k0, k1, k2, k3 = kb[n], kb[n + 1], kb[n + 2], kb[n + 3]
         for h in range(0, tiled, 4):
-            _dot4x4(qf[h], qf[h + 1], qf[h + 2], qf[h + 3], k0, k1, k2, k3, scale, s, h, n)
+            dot4x4(qf[h], qf[h + 1], qf[h + 2], qf[h + 3], k0, k1, k2, k3, scale, s, h, n)
         for h in range(tiled, n_heads):
             _dot1x4(qf[h], k0, k1, k2, k3, scale, s, h, n)
 
@@ -354,7 +325,7 @@ def _keys(pool: torch.Tensor, fmt: str, slots: torch.Tensor, shared: bool, dim: 
     bf16 / fp32 pools are read in place by slot; quantized and fp16 pools are gathered into an
     fp32 scratch of only the slots the table reads (a shared table: its union column per
     sequence, once) and the table renumbered to scratch rows."""
-    _check_pool(pool, fmt, dim)
+    pool_args(pool, fmt, dim)                                       # validates layout and dtype
     if fmt in ("bf16", "fp32"):
         return _source(pool, dim), _table(slots)
     cols = slots.amax(dim=1, keepdim=True) if shared else slots       # [B, 1 or q, N]: the slots read
@@ -367,28 +338,11 @@ def _keys(pool: torch.Tensor, fmt: str, slots: torch.Tensor, shared: bool, dim: 
     return _source(rows, dim), _table(torch.where(slots >= 0, index, -1))
 
 
-def _check_pool(pool: torch.Tensor, fmt: str, dim: int) -> None:
-    if pool.dim() != 3 or not pool.is_contiguous():
-        raise ValueError(f"pool must be a contiguous [num_blocks, R, record] tensor, got {tuple(pool.shape)}")
-    if fmt in _RAW:
-        if pool.dtype != _RAW[fmt] or pool.shape[2] != dim:
-            raise ValueError(f"{fmt} pool must be {_RAW[fmt]} [.., R, {dim}], got {pool.dtype} {tuple(pool.shape)}")
-    elif fmt not in _QUANTIZED:
-        raise ValueError(f"unsupported pool format {fmt!r}")
-
-
 def _check(q: torch.Tensor, sink: torch.Tensor, window_slots: torch.Tensor, entry_slots: torch.Tensor | None,
            new_kv: torch.Tensor | None) -> None:
     if q.dim() != 4 or q.device.type != "cpu":
         raise ValueError(f"q must be a CPU [B, q, H, D] tensor, got {q.device} {tuple(q.shape)}")
-    b, t, h, d = q.shape
-    if sink.shape != (h,):
-        raise ValueError(f"sink must be [{h}], got {tuple(sink.shape)}")
-    for name, slots in (("window_slots", window_slots), ("entry_slots", entry_slots)):
-        if slots is not None and (slots.dim() != 3 or slots.shape[:2] != (b, t) or slots.dtype.is_floating_point):
-            raise ValueError(f"{name} must be int [{b}, {t}, N], got {slots.dtype} {tuple(slots.shape)}")
-    if new_kv is not None and new_kv.shape != (b, t, d):
-        raise ValueError(f"new_kv must be [{b}, {t}, {d}], got {tuple(new_kv.shape)}")
+    check_sparse_mla_decode(q, sink, window_slots, entry_slots, new_kv)
 
 
 def _split(rows: int, heads: int, threads: int) -> tuple[int, int]:

@@ -37,17 +37,17 @@ import numpy as np
 import torch
 from numba import njit
 
+from kernels.cpu_dots import dot4x4
 from kernels.cpu_numerics import F32, U32, U64, bits_f32, borrow, e2m1_value, f32_bits, ue8m0_value
 from kernels.formats import get_format
 from kernels.decode_reference import check_indexer_topk as _check
 from kernels.decode_reference import indexer_topk_reference
 
 _TILE = 64          # keys decoded and scored at a time: the fp32 tile [64, dI] stays in L1 / L2
-_BLOCK = 4          # micro-kernel: 4 heads x 4 entries of dots in registers
+_BLOCK = 4          # micro-kernel: 4 heads x 4 entries of dots in registers (kernels/cpu_dots.py)
 _KINDS = {"fp32": 0, "bf16": 1, "fp4_index": 2}
 _LOW32 = U64(0xFFFFFFFF)
 _SIGN = U32(0x80000000)
-_FASTDOT = {"reassoc", "contract"}
 # e2m1 code -> value (exact); numba freezes the global array into the code. A table lookup
 # decodes ~5x faster here than the branch-free bit formula (measured).
 _E2M1 = np.array([e2m1_value(U32(c)) for c in range(16)], dtype=np.float32)
@@ -100,37 +100,6 @@ def _load_tile(records, kind, table, b, per_block, e0, n, tile):
 
 # ---- scores: 4 x 4 dot blocks, epilogue in the reference's op order --------------------------------
 
-@njit(cache=True, error_model="numpy", fastmath=_FASTDOT)
-def _dots(q, k, acc):
-    """acc[i, j] = q[i] · k[j] for 4 rows each (16 running sums; LLVM vectorises along dI)."""
-    q0, q1, q2, q3 = q[0], q[1], q[2], q[3]
-    k0, k1, k2, k3 = k[0], k[1], k[2], k[3]
-    a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = F32(0.0)
-    a20 = a21 = a22 = a23 = a30 = a31 = a32 = a33 = F32(0.0)
-    for d in range(q0.shape[0]):
-        x0, x1, x2, x3 = q0[d], q1[d], q2[d], q3[d]
-        y0, y1, y2, y3 = k0[d], k1[d], k2[d], k3[d]
-        a00 += x0 * y0
-        a01 += x0 * y1
-        a02 += x0 * y2
-        a03 += x0 * y3
-        a10 += x1 * y0
-        a11 += x1 * y1
-        a12 += x1 * y2
-        a13 += x1 * y3
-        a20 += x2 * y0
-        a21 += x2 * y1
-        a22 += x2 * y2
-        a23 += x2 * y3
-        a30 += x3 * y0
-        a31 += x3 * y1
-        a32 += x3 * y2
-        a33 += x3 * y3
-    acc[0, 0], acc[0, 1], acc[0, 2], acc[0, 3] = a00, a01, a02, a03
-    acc[1, 0], acc[1, 1], acc[1, 2], acc[1, 3] = a10, a11, a12, a13
-    acc[2, 0], acc[2, 1], acc[2, 2], acc[2, 3] = a20, a21, a22, a23
-    acc[3, 0], acc[3, 1], acc[3, 2], acc[3, 3] = a30, a31, a32, a33
-
 
 @njit(cache=True, error_model="numpy")
 def _score_tile(q, w, hi, tile, n, scale, dots, out):
@@ -140,7 +109,8 @@ def _score_tile(q, w, hi, tile, n, scale, dots, out):
     [Hi4, TILE] scratch. The epilogue runs along e (vectorised; no reassociation needed)."""
     for r0 in range(0, q.shape[0], _BLOCK):
         for j0 in range(0, n, _BLOCK):
-            _dots(q[r0:r0 + _BLOCK], tile[j0:j0 + _BLOCK], dots[r0:r0 + _BLOCK, j0:j0 + _BLOCK])
+            dot4x4(q[r0], q[r0 + 1], q[r0 + 2], q[r0 + 3], tile[j0], tile[j0 + 1], tile[j0 + 2], tile[j0 + 3],
+                   F32(1.0), dots, r0, j0)
     out[:n] = 0.0
     for h in range(hi):
         wh = w[h]

@@ -9,7 +9,8 @@ Numerics, against the references on CPU:
 - The RMS statistics (sum of squares over n·D for the mix, over D for the block norm) are
   summed in the order of torch's CPU sum kernel (aten cpu/SumKernel.cpp: lanes of one SIMD
   vector, four vectors in flight, a cascade of partial sums every 16 steps, then the tail and
-  the lanes in order), so a mean equals torch's bit for bit; the lane count is `_LANES`. rsqrt is 1 / sqrt, as torch's vectorised rsqrt.
+  the lanes in order: kernels/cpu_torch_sum.py), so a mean equals torch's bit for bit; rsqrt is
+  1 / sqrt, as torch's vectorised rsqrt.
 - The projection flat · fnᵀ is a dot of length n·D summed in whatever order LLVM vectorises it
   (``fastmath={"reassoc"}`` on that one loop; NaN/Inf semantics kept): torch's MKL sgemm has its
   own order, so pre / post / comb differ from the reference by a few fp32 ulps (the exp of
@@ -27,8 +28,8 @@ Numerics, against the references on CPU:
   bf16 matmul at large batches (T=16, D=4096: ~1e-6 of the elements) take other paths whose
   sums can differ by one ulp.
 
-Caching caveat (as kernels/cpu_numerics.py): the kernels here carry kernels/sinkhorn.py's and
-cpu_numerics.py's jitted code inlined; after editing only those, clear this module's
+Caching caveat (as kernels/cpu_numerics.py): the kernels here carry kernels/sinkhorn.py's,
+cpu_torch_sum.py's and cpu_numerics.py's jitted code inlined; after editing only those, clear this module's
 kernels/__pycache__/cpu_mhc.* entries.
 """
 from __future__ import annotations
@@ -41,14 +42,11 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from kernels.cpu_numerics import U32, bf16_bits, bits_f32, f32_bits, load_bits, store_value
+from kernels.cpu_torch_sum import ILP, LANES, LEVELS, sum_squares
 from kernels.sinkhorn import _sinkhorn_kernel
 
 F32 = np.float32
 
-# Lanes of the Vectorized<float> torch's CPU sum kernel runs with. It is 8 on x86 with AVX2 and
-# with AVX512 alike (sum is not among the kernels torch builds for AVX512; measured on an AVX512
-# machine, tests/kernels/test_cpu_mhc.py checks it); other architectures are an assumption.
-_LANES = 8
 
 
 @intrinsic
@@ -69,74 +67,6 @@ def fma32(typingctx, a, b, c):
 def _ld(a, i):
     """Element i of a float32 or bf16-bits (int16) array as fp32."""
     return bits_f32(load_bits(a[i]))
-
-
-# ---- torch's CPU sum order -------------------------------------------------------------------
-
-@njit(cache=True, error_model="numpy")
-def _ceil_log2(x):
-    r = 0
-    while (1 << r) < x:
-        r += 1
-    return r
-
-
-@njit(cache=True, error_model="numpy")
-def _sum_squares(v, acc):
-    """Σ v[i]² (fp32 squares) in torch's CPU order for a contiguous inner sum of len(v) values.
-
-    acc: float32 [4 levels, 4 vectors, _LANES] scratch. Vector i holds v[i·lanes : (i+1)·lanes];
-    vectors 4r + k go to accumulator k; every 16 rows (2^level_power) level 0 is folded into
-    level 1 and so on up while the row count is a multiple of the next power.
-    """
-    lanes = _LANES  # a compile-time constant: the lane loops unroll
-    size = v.shape[0]
-    nvec = size // lanes
-    rows = nvec // 4
-    power = max(4, _ceil_log2(rows) // 4)
-    step = 1 << power
-    lmask = step - 1
-    acc[:, :, :] = F32(0.0)
-    i = 0
-    while i + step <= rows:
-        for _ in range(step):
-            base = i * 4 * lanes
-            for k in range(4):
-                for lane in range(lanes):
-                    x = v[base + k * lanes + lane]
-                    acc[0, k, lane] += x * x
-            i += 1
-        for j in range(1, 4):
-            for k in range(4):
-                for lane in range(lanes):
-                    acc[j, k, lane] += acc[j - 1, k, lane]
-                    acc[j - 1, k, lane] = F32(0.0)
-            if i & (lmask << (j * power)):
-                break
-    while i < rows:
-        base = i * 4 * lanes
-        for k in range(4):
-            for lane in range(lanes):
-                x = v[base + k * lanes + lane]
-                acc[0, k, lane] += x * x
-        i += 1
-    for j in range(1, 4):
-        for k in range(4):
-            for lane in range(lanes):
-                acc[0, k, lane] += acc[j, k, lane]
-    for r in range(rows * 4, nvec):  # vectors past the last full group of four
-        for lane in range(lanes):
-            x = v[r * lanes + lane]
-            acc[0, 0, lane] += x * x
-    for k in range(1, 4):
-        for lane in range(lanes):
-            acc[0, 0, lane] += acc[0, k, lane]
-    total = F32(0.0)
-    for e in range(nvec * lanes, size):  # scalar tail first, then the lanes in order
-        total += v[e] * v[e]
-    for lane in range(lanes):
-        total += acc[0, 0, lane]
-    return total
 
 
 @njit(cache=True, error_model="numpy", fastmath={"reassoc"})
@@ -193,22 +123,23 @@ def _collapse_token(h, pre, n, d, x, xf):
 
 @njit(cache=True, error_model="numpy")
 def _mix_kernel(streams, fn, base, scale, iters, hc_eps, norm_eps, collapse, norm_w, has_norm, out_eps,
-                pre, post, comb, x_out):
+                pre, post, comb, x_out, lanes):
     """streams [T, n·D] (fp32 or bf16 bits); fn [(2+n)·n, n·D] fp32; outputs pre/post [T, n],
-    comb [T, n, n] fp32 and (collapse) x_out [T, D] in the streams' dtype."""
+    comb [T, n, n] fp32 and (collapse) x_out [T, D] in the streams' dtype; lanes: torch's sum
+    vector width (kernels/cpu_torch_sum.py)."""
     t_count, nd = streams.shape
     n = pre.shape[1]
     d = nd // n
     rows = fn.shape[0]
     eps = F32(hc_eps)
-    acc = np.empty((4, 4, _LANES), np.float32)
+    acc = np.empty((LEVELS, ILP * lanes), np.float32)
     flat = np.empty((t_count, nd), np.float32)                   # [T, n·D], RMS-normalised
     for t in range(t_count):
         h = streams[t]
         row = flat[t]
         for i in range(nd):
             row[i] = _ld(h, i)
-        r = F32(1.0) / np.sqrt(_sum_squares(row, acc) / F32(nd) + F32(norm_eps))
+        r = F32(1.0) / np.sqrt(sum_squares(row, lanes, acc) / F32(nd) + F32(norm_eps))
         for i in range(nd):
             row[i] = row[i] * r
     mix = np.empty((t_count, rows), np.float32)                  # [T, (2+n)·n]
@@ -226,7 +157,7 @@ def _mix_kernel(streams, fn, base, scale, iters, hc_eps, norm_eps, collapse, nor
         x = x_out[t]
         _collapse_token(streams[t], pre[t], n, d, x, xf)
         if has_norm:
-            inv = F32(1.0) / np.sqrt(_sum_squares(xf, acc) / F32(d) + F32(out_eps))
+            inv = F32(1.0) / np.sqrt(sum_squares(xf, lanes, acc) / F32(d) + F32(out_eps))
             for c in range(d):
                 store_value(x, c, norm_w[c] * (xf[c] * inv))
 
@@ -273,7 +204,7 @@ def mhc_mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     if t:
         _mix_kernel(_np(src).reshape(t, n * d), _f32(fn), _f32(base), _f32(scale), sinkhorn_iters, hc_eps, norm_eps,
                     collapse, _f32(norm_weight) if norm_weight is not None else _NO_NORM, norm_weight is not None,
-                    out_eps, pre.numpy(), post.numpy(), comb.numpy(), _np(x) if collapse else _NO_NORM[None])
+                    out_eps, pre.numpy(), post.numpy(), comb.numpy(), _np(x) if collapse else _NO_NORM[None], LANES)
     return (pre, post, comb, x) if collapse else (pre, post, comb)
 
 

@@ -28,12 +28,14 @@ from numba import njit
 
 from kernels import cpu_kv
 from kernels.cpu_numerics import F32, U16, U32, bf16_bits, bits_f32, f32_bits, load_bits, pow2, store_value
+from kernels.cpu_torch_sum import ILP as _ILP
+from kernels.cpu_torch_sum import LANES as _LANES
+from kernels.cpu_torch_sum import LEVELS as _LEVELS
+from kernels.cpu_torch_sum import sum_squares as _sum_squares
 from kernels.formats import get_format
 from kernels import decode_reference as _ref
 from kernels import pool_layout
 
-_LEVELS = 4                  # torch's multi-row sum keeps 4 cascade levels
-_ILP = 4                     # and sums 4 interleaved vectors in a row reduction
 _RAW_KIND = {"fp32": 1, "bf16": 2, "fp16": 3}   # pool kinds the kernels write themselves (0: none)
 _FLOAT = {torch.float32: False, torch.bfloat16: True}
 _NO_F32 = np.zeros((1, 1), dtype=np.float32)
@@ -66,70 +68,6 @@ def _fp16_bits(v):
         return U16(sign | U32(f32_bits(F32(bits_f32(a) + F32(0.5))) - U32(0x3F000000)))
     r = U32(U32(a + U32(0xFFF) + U32(U32(a >> U32(13)) & U32(1))) >> U32(13)) - U32(112 << 10)
     return U16(sign | U32(min(r, U32(0x7C00))))
-
-
-@njit(cache=True, error_model="numpy")
-def _ceil_log2(n):
-    """torch's utils::CeilLog2 (1 for n <= 2)."""
-    if n <= 2:
-        return 1
-    k, m = 0, n - 1
-    while m > 0:
-        m >>= 1
-        k += 1
-    return k
-
-
-@njit(cache=True, error_model="numpy")
-def _sum_squares(v, lanes, acc):
-    """Σ v[j]² (fp32) in the order of torch's contiguous CPU sum of v.pow(2).
-
-    The row is read as vectors of ``lanes``; groups of _ILP consecutive vectors feed _ILP
-    accumulators (one per lane each) that a 4-level cascade flushes upward every 2^p groups;
-    the leftover vectors join accumulator 0, the accumulators fold 0 += 1, += 2, += 3, then the
-    scalar tail and the lanes are added to 0 left to right. acc: scratch [_LEVELS, _ILP·lanes].
-    """
-    n = v.shape[0]
-    n_vec = n // lanes
-    n_grp = n_vec // _ILP
-    width = _ILP * lanes
-    power = max(4, _ceil_log2(n_grp) // _LEVELS)
-    step = 1 << power
-    acc[:, :width] = F32(0.0)
-    a0 = acc[0]
-    i = 0
-    while i + step <= n_grp:
-        for _ in range(step):
-            row = v[i * width:(i + 1) * width]
-            for k in range(width):
-                a0[k] += F32(row[k] * row[k])
-            i += 1
-        for lev in range(1, _LEVELS):
-            for k in range(width):
-                acc[lev, k] += acc[lev - 1, k]
-                acc[lev - 1, k] = F32(0.0)
-            if i & ((step - 1) << (lev * power)):
-                break
-    while i < n_grp:
-        row = v[i * width:(i + 1) * width]
-        for k in range(width):
-            a0[k] += F32(row[k] * row[k])
-        i += 1
-    for lev in range(1, _LEVELS):
-        for k in range(width):
-            a0[k] += acc[lev, k]
-    for j in range(n_grp * _ILP, n_vec):
-        for k in range(lanes):
-            a0[k] += F32(v[j * lanes + k] * v[j * lanes + k])
-    for p in range(1, _ILP):
-        for k in range(lanes):
-            a0[k] += a0[p * lanes + k]
-    total = F32(0.0)
-    for j in range(n_vec * lanes, n):
-        total += F32(v[j] * v[j])
-    for k in range(lanes):
-        total += a0[k]
-    return total
 
 
 @njit(cache=True, error_model="numpy")
@@ -218,19 +156,6 @@ def _slots_in_range(slots, capacity):
     return True
 
 
-def _torch_lanes() -> int:
-    """The vector width of torch's CPU sum kernel here (8 even on AVX512 machines, whose sum
-    kernel is built for AVX2): the one whose summation order reproduces torch on a probe."""
-    probe = torch.randn(64, 64, generator=torch.Generator().manual_seed(0)) * 3      # [rows, D]
-    want, rows = probe.pow(2).sum(-1).numpy(), probe.numpy()
-    acc = np.empty((_LEVELS, _ILP * 16), dtype=np.float32)
-    for lanes in (8, 16, 4):
-        if all(_sum_squares(rows[i], lanes, acc) == want[i] for i in range(rows.shape[0])):
-            return lanes
-    return 8                                  # unknown build: results then differ by fp32 ulps
-
-
-_LANES = _torch_lanes()
 
 
 # ---- norm_rope --------------------------------------------------------------------------------
@@ -275,12 +200,9 @@ def _f32(t: torch.Tensor) -> np.ndarray:
 
 def _raw_pool(pool: torch.Tensor, fmt: str, dim: int) -> tuple[np.ndarray, int]:
     """(pool as [slots, dim] rows, kind) for a raw pool; (None, 0) for a quantized format."""
+    pool_layout.pool_args(pool, fmt, dim)                                    # validates layout and dtype
     if fmt not in _RAW_KIND:
-        pool_layout.pool_args(pool, fmt, dim)                                # validates layout and dtype
         return None, 0
-    if pool.dim() != 3 or pool.dtype != pool_layout.RAW_DTYPES[fmt] or pool.shape[2] != dim or not pool.is_contiguous():
-        raise ValueError(f"{fmt} pool must be a contiguous {pool_layout.RAW_DTYPES[fmt]} [.., R, {dim}] tensor, got "
-                         f"{pool.dtype} {tuple(pool.shape)}")
     rows = pool.view(-1, dim)
     return (rows.numpy() if fmt == "fp32" else rows.view(torch.int16).numpy()), _RAW_KIND[fmt]
 
