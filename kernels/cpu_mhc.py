@@ -39,9 +39,9 @@ import torch
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
-from numba.extending import intrinsic, overload
+from numba.extending import intrinsic
 
-from kernels.cpu_numerics import U32, bf16_bits, bits_f32, f32_bits, load_bits, store_value
+from kernels.cpu_numerics import bits_f32, load_bits, round_as, store_value
 from kernels.cpu_torch_sum import ILP, LANES, LEVELS, sum_squares
 from kernels.sinkhorn import _sinkhorn_kernel
 
@@ -210,17 +210,6 @@ def mhc_mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
 
 # ---- mhc_expand ------------------------------------------------------------------------------
 
-def _round(like, v):
-    """v (fp32) rounded to the element type of the array ``like`` (bf16 bits or fp32), as fp32."""
-
-
-@overload(_round)
-def _round_impl(like, v):
-    if isinstance(like.dtype, types.Integer):
-        return lambda like, v: bits_f32(U32(U32(bf16_bits(f32_bits(v))) << U32(16)))
-    return lambda like, v: F32(v)
-
-
 @njit(cache=True, error_model="numpy")
 def _expand_kernel(streams, y, post, comb, out):
     """streams, out [T, n·D]; y [T, D] (same dtype: fp32 or bf16 bits); post [T, n], comb
@@ -235,14 +224,14 @@ def _expand_kernel(streams, y, post, comb, out):
         for k in range(n):
             mixed[:] = F32(0.0)
             for j in range(n):  # an FMA chain from j = 0, as torch's matmul accumulates
-                c = _round(out, comb[t, j, k])
+                c = round_as(out, comb[t, j, k])
                 hj = h[j * d:(j + 1) * d]
                 for e in range(d):
                     mixed[e] = fma32(c, _ld(hj, e), mixed[e])
-            p = _round(out, post[t, k])
+            p = round_as(out, post[t, k])
             ok = o[k * d:(k + 1) * d]
             for e in range(d):
-                store_value(ok, e, _round(out, p * _ld(yr, e)) + _round(out, mixed[e]))
+                store_value(ok, e, round_as(out, p * _ld(yr, e)) + round_as(out, mixed[e]))
 
 
 def mhc_expand(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:

@@ -25,22 +25,10 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from numba import njit, types
-from numba.extending import overload
+from numba import njit
 
-from kernels.cpu_numerics import F32, U32, bf16_bits, bits_f32, borrow, f32_bits, load_bits, store_value
-from kernels.decode_reference import gather_rows_reference, moe_combine_reference
-
-
-def round_as(arr, v):
-    """fp32 v rounded to arr's element type: bf16 (uint16 bits, RNE) or fp32 (unchanged)."""
-
-
-@overload(round_as)
-def _round_as_impl(arr, v):
-    if isinstance(arr.dtype, types.Integer):
-        return lambda arr, v: bits_f32(U32(U32(bf16_bits(f32_bits(v))) << U32(16)))
-    return lambda arr, v: F32(v)
+from kernels.cpu_numerics import bits_f32, borrow, load_bits, round_as, store_value
+from kernels.decode_reference import check_moe_combine, gather_rows_reference, moe_combine_reference
 
 
 # ---- kernels ----------------------------------------------------------------------------------
@@ -107,8 +95,7 @@ def moe_combine(y: torch.Tensor, weights: torch.Tensor, inverse: torch.Tensor, s
                 dtype: torch.dtype) -> torch.Tensor:
     """y [T·k, H] in expert order -> [T, H] in ``dtype``: Σ_j w[t, j] · y[inverse[t·k + j]] (+ shared)."""
     t, k = weights.shape
-    if inverse.shape != (t * k,) or y.shape[0] != t * k:
-        raise ValueError(f"inverse must be [{t * k}] and y [{t * k}, H], got {tuple(inverse.shape)}, {tuple(y.shape)}")
+    check_moe_combine(y, weights, inverse)
     if y.dim() != 2 or y.dtype != dtype or not _kernel_dtype(y, shared):
         return moe_combine_reference(y, weights, inverse, shared, dtype)
     out = torch.empty(t, y.shape[1], dtype=dtype)

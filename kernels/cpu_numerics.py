@@ -91,6 +91,18 @@ def _store_value_impl(out, j, v):
     return impl
 
 
+def round_as(arr, v):
+    """fp32 v rounded to arr's element type, as fp32: an integer array holds bf16 bits (RNE, NaN
+    -> 0x7FC0), a float32 array keeps v."""
+
+
+@overload(round_as)
+def _round_as_impl(arr, v):
+    if isinstance(arr.dtype, types.Integer):
+        return lambda arr, v: bits_f32(U32(U32(bf16_bits(f32_bits(v))) << U32(16)))
+    return lambda arr, v: F32(v)
+
+
 def load_pair(p):
     """fp32 bits (lo, hi) of two adjacent input elements read as one word: uint32 holds two
     bf16 values, uint64 two fp32 values (little-endian: the even element is the low half)."""

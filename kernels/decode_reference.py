@@ -281,6 +281,12 @@ def swiglu_reference(h: torch.Tensor, limit: float, row_weight: torch.Tensor | N
     return act if row_weight is None else act * row_weight.to(act.dtype)[:, None]
 
 
+def check_moe_combine(y: torch.Tensor, weights: torch.Tensor, inverse: torch.Tensor) -> None:
+    t, k = weights.shape
+    if inverse.shape != (t * k,) or y.shape[0] != t * k:
+        raise ValueError(f"inverse must be [{t * k}] and y [{t * k}, H], got {tuple(inverse.shape)}, {tuple(y.shape)}")
+
+
 def moe_combine_reference(y: torch.Tensor, weights: torch.Tensor, inverse: torch.Tensor,
                           shared: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """engine/moe.py's weighting, unpermute and sum, then the shared expert's add."""

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton import kv_codec
+from kernels.decode_reference import check_moe_combine
 from kernels.decode_reference import (gather_rows_reference, moe_combine_reference,  # noqa: F401 (re-exported)
                                       swiglu_reference)
 
@@ -100,8 +101,7 @@ def moe_combine(y: torch.Tensor, weights: torch.Tensor, inverse: torch.Tensor, s
                 dtype: torch.dtype) -> torch.Tensor:
     """y [T·k, H] in expert order -> [T, H] in ``dtype``: Σ_j w[t, j] · y[inverse[t·k + j]] (+ shared)."""
     t, k = weights.shape
-    if inverse.shape != (t * k,) or y.shape[0] != t * k:
-        raise ValueError(f"inverse must be [{t * k}] and y [{t * k}, H], got {tuple(inverse.shape)}, {tuple(y.shape)}")
+    check_moe_combine(y, weights, inverse)
     h = y.shape[1]
     out = torch.empty(t, h, dtype=dtype, device=y.device)
     if t:
