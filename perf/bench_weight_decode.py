@@ -1,14 +1,17 @@
 """FP8 / FP4 weight decode on CPU: the fused GEMV's decodes, side by side.
 
-kernels/cpu_quant_gemm.py's fused GEMV decodes each weight row into an L1 buffer and dots it with
-the activation rows. How it turns e4m3 bytes into fp32 decides its speed:
-  table  a 256-entry fp32 table lookup per byte (a gather), times the row's expanded block scales
-  arith  integer arithmetic (`e4m3_value`: shifts, masks, selects), times the expanded scales
-  half   the current kernel: the byte's fields shifted into IEEE half bits (`e4m3_half_bits`),
-         converted by vcvtph2ps (`half_value`), no scale; the activations carry the block scales
-         instead (`_scale_activations`, once per block row of 128 weight rows)
-All three run the same row loop over one [N, K] weight with [N/128, K/128] power-of-two block
-scales and one activation row. For packed MXFP4 (e2m1 pairs, a ue8m0 scale per row and 32
+kernels/cpu_quant_gemm.py's fused GEMV reads each weight byte once. How it turns e4m3 bytes into
+fp32 decides its speed:
+  table  a 256-entry fp32 table lookup per byte (a gather) into an L1 row buffer, times the
+         row's expanded block scales, then the dot product
+  arith  integer arithmetic (`e4m3_value`: shifts, masks, selects) into the row buffer, times
+         the expanded scales, then the dot product
+  half   the byte's fields shifted into IEEE half bits (`e4m3_half_bits`), converted by
+         vcvtph2ps (`half_value`) into the row buffer, no scale: the activations carry the block
+         scales instead (`_scale_activations`, once per block row of 128 weight rows); then the dot
+  fused  the current kernel: the half decode inside the dot product (`_fp8_dot_rows`), no row
+         buffer: the decoded weights never leave registers
+For packed MXFP4 (e2m1 pairs, a ue8m0 scale per row and 32
 elements) both variants look each byte's two values up in a 256-entry pair table, then
   expand  expand the row's scales into a [K] buffer and multiply (the previous kernel)
   groups  multiply group by group, a loop of literal length 32 (kernels/cpu_quant_gemm.py
@@ -33,8 +36,10 @@ from numba import njit
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels.cpu_quant_gemm import (E2M1_PAIR_TABLE, E4M3_TABLE, _decode_fp4_row, _decode_fp8_row,  # noqa: E402
-                                    _dot_rows, _expand_scales, _scale_activations, e4m3_value)
+from kernels.cpu_numerics import half_value  # noqa: E402
+from kernels.cpu_quant_gemm import (E2M1_PAIR_TABLE, E4M3_TABLE, _decode_fp4_row, _dot_rows,  # noqa: E402
+                                    _expand_scales, _fp8_dot_rows, _scale_activations, e4m3_half_bits,
+                                    e4m3_value)
 from perf.machine import header, set_cpu_threads  # noqa: E402
 
 BLOCK = 128
@@ -67,9 +72,18 @@ def _gemv_half(codes, scale, a, out):
     w, scaled = np.empty(codes.shape[1], np.float32), np.empty(a.shape, np.float32)
     for r in range(codes.shape[0]):
         if r % BLOCK == 0:
-            _scale_activations(a, scale[r // BLOCK], BLOCK, scaled)
-        _decode_fp8_row(codes[r], w)
+            _scale_activations(a, scale[r // BLOCK], BLOCK, scaled)     # a · s · 256
+        for j in range(w.shape[0]):
+            w[j] = half_value(e4m3_half_bits(codes[r, j]))              # e4m3 / 256
         _dot_rows(w, scaled, r, out)
+
+
+@njit(cache=True, error_model="numpy")
+def _gemv_fused(codes, scale, a, out):
+    scaled = np.empty(a.shape, np.float32)
+    for r in range(0, codes.shape[0], BLOCK):
+        _scale_activations(a, scale[r // BLOCK], BLOCK, scaled)
+        _fp8_dot_rows(codes, r, min(r + BLOCK, codes.shape[0]), scaled, out)
 
 
 @njit(cache=True, error_model="numpy")
@@ -117,8 +131,9 @@ def main() -> None:
     set_cpu_threads(1)
     g = torch.Generator().manual_seed(0)
     print(f"# one thread; medians of {args.repeats} interleaved rounds; cycles at {args.ghz} GHz")
-    print(f"{'N x K':>11s} {'table cyc/el':>13s} {'arith cyc/el':>13s} {'half cyc/el':>12s} "
-          f"{'table/half':>11s} {'arith/half':>11s}  outputs")
+    names = ("table", "arith", "half", "fused")
+    print(f"{'N x K':>11s} " + " ".join(f"{v + ' cyc/el':>13s}" for v in names) + " "
+          + " ".join(f"{v + '/fused':>11s}" for v in names[:3]) + "  outputs")
     for shape in args.shapes:
         n, k = (int(x) for x in shape.split("x"))
         # weights like a trained checkpoint's: e4m3 codes of normal-ish values, per-block scales
@@ -127,16 +142,17 @@ def main() -> None:
         exps = torch.randint(-12, -4, (-(-n // BLOCK), -(-k // BLOCK)), generator=g)
         scale = (exps + 127).to(torch.uint8).numpy()           # ue8m0 bytes: 2^-12 .. 2^-5
         a = torch.randn(1, k, generator=g).numpy()
-        outs = {v: np.empty((1, n), np.float32) for v in ("table", "arith", "half")}
+        outs = {v: np.empty((1, n), np.float32) for v in names}
         runs = {"table": lambda o: _gemv_table(codes, scale, E4M3_TABLE, a, o),
                 "arith": lambda o: _gemv_arith(codes, scale, a, o),
-                "half": lambda o: _gemv_half(codes, scale, a, o)}
+                "half": lambda o: _gemv_half(codes, scale, a, o),
+                "fused": lambda o: _gemv_fused(codes, scale, a, o)}
         med = _time(runs, outs, args.repeats)
-        same = np.array_equal(outs["table"], outs["arith"]) and np.array_equal(outs["table"], outs["half"])
+        same = all(np.array_equal(outs["table"], outs[v]) for v in names)
         cyc = {v: med[v] * args.ghz * 1e9 / (n * k) for v in med}
-        print(f"{shape:>11s} {cyc['table']:13.2f} {cyc['arith']:13.2f} {cyc['half']:12.2f} "
-              f"{med['table'] / med['half']:10.2f}x {med['arith'] / med['half']:10.2f}x  "
-              f"{'identical' if same else 'DIFFER'}", flush=True)
+        print(f"{shape:>11s} " + " ".join(f"{cyc[v]:13.2f}" for v in names) + " "
+              + " ".join(f"{med[v] / med['fused']:10.2f}x" for v in names[:3])
+              + f"  {'identical' if same else 'DIFFER'}", flush=True)
     print(f"\n# MXFP4 (e2m1 pairs, a ue8m0 scale per row and 32 elements)")
     print(f"{'N x K':>11s} {'expand cyc/el':>14s} {'groups cyc/el':>14s} {'expand/groups':>14s}  outputs")
     for shape in args.shapes:

@@ -489,3 +489,28 @@ def test_fp8_gemv_equals_the_decoded_weight_product_bit_for_bit():
         got = kernels.fp8_linear(x, codes, scale, (1, 1), out_dtype=torch.float32)
         want = reference.dequantize_fp8_weight(codes, scale, (1, 1)) @ x[0]
         assert same(got[0], want)
+
+
+@pytest.mark.parametrize("k", [1, 31, 33, 256, 300])
+@pytest.mark.parametrize("grouped", [False, True])
+def test_fp8_gemv_rows_do_not_depend_on_their_neighbours(k, grouped):
+    """The fused FP8 GEMV decodes each weight row inside the dot product, two activation rows per
+    pass and a last odd row alone: every row's output must equal the same row computed alone, bit
+    for bit, whatever the row count (batch invariance), and stay within the reference's bound."""
+    g = torch.Generator().manual_seed(k)
+    w, s = fp8_weight((3, 160, k) if grouped else (160, k), (32, 32), g)
+    x = activations(cpu_quant_gemm.GEMV_MAX_ROWS, k, g)
+    for m in range(1, x.shape[0] + 1):
+        if grouped:
+            ends = torch.tensor([0, m, m], dtype=torch.int32)          # every row through expert 1
+            out = kernels.fp8_grouped_mm(x[:m], w, s, ends, (32, 32), out_dtype=torch.float32)
+            alone = [kernels.fp8_grouped_mm(x[i:i + 1], w, s, torch.tensor([0, 1, 1], dtype=torch.int32),
+                                            (32, 32), out_dtype=torch.float32)[0] for i in range(m)]
+            ref = reference.fp8_grouped_mm(x[:m], w, s, ends, (32, 32), out_dtype=torch.float32)
+        else:
+            out = kernels.fp8_linear(x[:m], w, s, (32, 32), out_dtype=torch.float32)
+            alone = [kernels.fp8_linear(x[i:i + 1], w, s, (32, 32), out_dtype=torch.float32)[0] for i in range(m)]
+            ref = reference.fp8_linear(x[:m], w, s, (32, 32), out_dtype=torch.float32)
+        assert all(same(out[i], alone[i]) for i in range(m)), f"{m} rows"
+        wd = reference.dequantize_fp8_weight(w[1] if grouped else w, s[1] if grouped else s, (32, 32))
+        assert_gemm_close(out, ref, abs_gemm(x[:m], wd, False), k)
