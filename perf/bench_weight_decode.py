@@ -14,8 +14,8 @@ fp32 decides its speed:
 For packed MXFP4 (e2m1 pairs, a ue8m0 scale per row and 32
 elements) both variants look each byte's two values up in a 256-entry pair table, then
   expand  expand the row's scales into a [K] buffer and multiply (the previous kernel)
-  groups  multiply group by group, a loop of literal length 32 (kernels/cpu_quant_gemm.py
-          `_scale_groups`, the current kernel)
+  groups  the current kernel (kernels/cpu_quant_gemm.py `_fp4_dot_rows`): multiply group by
+          group, a loop of literal length 32, with every row's loops inside one call
 Interleaved, medians of --repeats; outputs compared bit for bit. Cycles per weight element
 are at the clock given by --ghz (the CPU model is printed: read them as ratios across machines).
 
@@ -37,8 +37,8 @@ from numba import njit
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels.cpu_numerics import half_value  # noqa: E402
-from kernels.cpu_quant_gemm import (E2M1_PAIR_TABLE, E4M3_TABLE, _decode_fp4_row, _dot_rows,  # noqa: E402
-                                    _expand_scales, _fp8_dot_rows, _scale_activations, e4m3_half_bits,
+from kernels.cpu_quant_gemm import (E2M1_PAIR_TABLE, E4M3_TABLE, _dot_rows, _expand_scales,  # noqa: E402
+                                    _fp4_dot_rows, _fp8_dot_rows, _scale_activations, e4m3_half_bits,
                                     e4m3_value)
 from perf.machine import header, set_cpu_threads  # noqa: E402
 
@@ -101,11 +101,7 @@ def _gemv_fp4_expand(packed, scale, pair_table, a, out):
 
 @njit(cache=True, error_model="numpy")
 def _gemv_fp4_groups(packed, scale, pair_table, a, out):
-    pairs = np.empty(packed.shape[1], np.uint64)
-    w = pairs.view(np.float32)
-    for r in range(packed.shape[0]):
-        _decode_fp4_row(packed[r], scale[r], 32, pair_table, pairs, w)
-        _dot_rows(w, a, r, out)
+    _fp4_dot_rows(packed, scale, 0, packed.shape[0], 32, pair_table, np.empty(packed.shape[1], np.uint64), a, out)
 
 
 def _time(runs: dict, outs: dict, repeats: int) -> dict:
