@@ -195,7 +195,12 @@ def _bits(t: torch.Tensor) -> np.ndarray:
 
 
 def _f32(t: torch.Tensor) -> np.ndarray:
-    return (t if t.dtype == torch.float32 else t.float()).numpy()
+    return (t if t.dtype == torch.float32 else t.float()).contiguous().numpy()
+
+
+def _int64(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous int64 slot table (int32 tables compiled their own kernel variants)."""
+    return t.to(torch.int64).contiguous()
 
 
 def _raw_pool(pool: torch.Tensor, fmt: str, dim: int) -> tuple[np.ndarray, int]:
@@ -223,6 +228,10 @@ def norm_rope(x: torch.Tensor, norm: int = 0, weight: torch.Tensor | None = None
     t, h, d = x.shape
     if x.dtype not in _FLOAT:                                              # fp16: widen (exact)
         x = x.float()
+    # One array layout and index type per dtype: every other variant is another numba compile
+    # (seconds each, cold), for nothing at decode sizes (a copy of a few rows).
+    x = x.contiguous()
+    slots = None if slots is None else _int64(slots)
     pre_round = (pre_round or x.dtype != dtype) and dtype == torch.bfloat16 and x.dtype != torch.bfloat16
     out = torch.empty(t, h, d, dtype=dtype)
     if t == 0:
@@ -403,10 +412,11 @@ def compressor_step(rows: torch.Tensor, state_pool: torch.Tensor, row_slots: tor
         return
     if rows.dtype not in _FLOAT:                                          # fp16 projections: widen (exact)
         rows = rows.float()
+    rows, row_slots, entry_slots = rows.contiguous(), _int64(row_slots), _int64(entry_slots)  # one variant each
     has_ape = ape is not None
     cand = np.empty((b * t, dim), dtype=np.float32) if kind == 0 else _NO_F32
     status = _compressor_kernel(
-        _bits(rows), _f32(ape.contiguous()) if has_ape else _NO_F32, positions.numpy() if has_ape else _NO_I64_2D,
+        _bits(rows), _f32(ape) if has_ape else _NO_F32, _int64(positions).numpy() if has_ape else _NO_I64_2D,
         has_ape, state_pool.view(-1, two_w).numpy(), row_slots.numpy(), _NO_F32 if kind == 0 else entry_rows, kind,
         cand, entry_slots.numpy(), _bits(norm_weight), eps, _f32(cos), _f32(sin), ratio, overlap,
         dtype == torch.bfloat16, _LANES)
