@@ -47,8 +47,9 @@ def test_other_device_types_are_rejected():
 # ---- every public op applies the rules ----------------------------------------------------------
 
 def _fake_cuda() -> SimpleNamespace:
-    """Stands in for a CUDA tensor up to the device check (the check reads only .device)."""
-    return SimpleNamespace(device=CUDA0)
+    """Stands in for a CUDA tensor up to the device check (the check reads only .is_cpu and
+    .device)."""
+    return SimpleNamespace(device=CUDA0, is_cpu=False)
 
 
 def _cpu(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
