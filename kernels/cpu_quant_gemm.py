@@ -474,11 +474,12 @@ def _grouped(a: torch.Tensor, n: int, offsets: torch.Tensor, out_dtype: torch.dt
     path), so a batch where a few experts are popular still decodes the rest in one call (its
     third argument: how many experts that call decodes)."""
     ends = offsets.to(torch.int64).numpy()
-    counts = np.diff(ends, prepend=0)
     out = torch.zeros(a.shape[0], n)                        # [S, N] fp32
     if not a.shape[0]:
         return _finish(out, out_dtype)
-    light = int(((counts > 0) & (counts <= GEMV_MAX_ROWS)).sum())
+    counts = ends.copy()
+    counts[1:] -= ends[:-1]                                 # rows per expert (np.diff: 5x the cost)
+    light = int(np.count_nonzero((counts > 0) & (counts <= GEMV_MAX_ROWS)))
     if light:
         fused(ends, GEMV_MAX_ROWS, light, out.numpy())
     for e in np.flatnonzero(counts > GEMV_MAX_ROWS).tolist():
