@@ -148,29 +148,10 @@ def _dequant_fp4_rows(packed_arg, scale_arg, table_arg, group, out_arg):
             _decode_fp4(src[j0:j1], table, scale_value(srow[g]), dst[2 * j0:2 * j1])
 
 
-# ---- fused row kernels (decode): one weight row decoded into L1, dotted with every activation row
+# ---- fused row kernels (decode): each weight row read once, dotted with every activation row
 
 # Every inner loop runs over a whole row (no loop bounded by a scale block): LLVM vectorises
 # those (table lookups as gathers), while block-bounded inner loops measured 3-4x slower.
-
-@njit(cache=True, error_model="numpy", fastmath=_DOT_MATH)
-def _dot_rows(w, a, r, out):
-    """out[i, r] = w . a[i] for every activation row i; w [K] fp32."""
-    for i in range(a.shape[0]):
-        acc = F32(0)
-        for j in range(w.shape[0]):
-            acc += w[j] * a[i, j]
-        out[i, r] = acc
-
-
-@njit(cache=True, error_model="numpy")
-def _expand_scales(srow, block, dst):
-    """dst[k] = value of srow[k // block]: one scale per weight element of a row."""
-    for kb in range(srow.shape[0]):
-        v = scale_value(srow[kb])
-        for j in range(kb * block, min(dst.shape[0], (kb + 1) * block)):
-            dst[j] = v
-
 
 @njit(cache=True, error_model="numpy")
 def _decode_fp8_row(src, dst):
@@ -202,8 +183,9 @@ def _fp8_dot_rows(codes, r0, r1, scaled, out):
     the dot product, for four activation rows per pass, then two, then one: 1.3-1.7x faster than
     decoding the row into a buffer first, as the decoded weights never leave registers
     (perf/bench_weight_decode.py). Every pass gives a row's sum the same vector order, so a
-    row's result does not depend on how many rows share the call (tested). One call per row block: a
-    call per weight row cost ~40 ns of slicing and call overhead, a third of a K = 256 row."""
+    row's result does not depend on how many rows share the call (tested). One call per row
+    block: a call per weight row cost ~40 ns of slicing and call overhead, a third of a K = 256
+    row."""
     m, k = scaled.shape
     for r in range(r0, r1):
         for i in range(0, m - 3, 4):

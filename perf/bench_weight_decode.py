@@ -13,9 +13,9 @@ fp32 decides its speed:
          NaN codes picked by a compare and select): eight vector ops per 8 codes instead of five
   fused  the current kernel: the half decode inside the dot product (`_fp8_dot_rows`), no row
          buffer: the decoded weights never leave registers
-For packed MXFP4 (e2m1 pairs, a ue8m0 scale per row and 32
-elements) both variants look each byte's two values up in a 256-entry pair table, then
-  expand  expand the row's scales into a [K] buffer and multiply (the previous kernel)
+For packed MXFP4 (e2m1 pairs, a ue8m0 scale per row and 32 elements) both variants look each
+byte's two values up in a 256-entry pair table, then
+  expand  expand the row's scales into a [K] buffer and multiply, calls per row (an older kernel)
   groups  the current kernel (kernels/cpu_quant_gemm.py `_fp4_dot_rows`): multiply group by
           group, a loop of literal length 32, with every row's loops inside one call
 Interleaved, medians of --repeats; outputs compared bit for bit. Cycles per weight element
@@ -39,12 +39,33 @@ from numba import njit
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels.cpu_numerics import F32, U16, half_value  # noqa: E402
-from kernels.cpu_quant_gemm import (E2M1_PAIR_TABLE, E4M3_TABLE, _dot_rows, _expand_scales,  # noqa: E402
-                                    _fp4_dot_rows, _fp8_dot_rows, _scale_activations, e4m3_half_bits,
+from kernels.cpu_quant_gemm import (E2M1_PAIR_TABLE, E4M3_TABLE, _DOT_MATH, _fp4_dot_rows,  # noqa: E402
+                                    _fp8_dot_rows, scale_value, _scale_activations, e4m3_half_bits,
                                     e4m3_value)
 from perf.machine import header, set_cpu_threads  # noqa: E402
 
 BLOCK = 128
+
+
+# ---- the previous kernels' pieces (baselines) --------------------------------------------------
+
+@njit(cache=True, error_model="numpy", fastmath=_DOT_MATH)
+def _dot_rows(w, a, r, out):
+    """out[i, r] = w . a[i] for every activation row i; w [K] fp32 (a decoded row buffer)."""
+    for i in range(a.shape[0]):
+        acc = F32(0)
+        for j in range(w.shape[0]):
+            acc += w[j] * a[i, j]
+        out[i, r] = acc
+
+
+@njit(cache=True, error_model="numpy")
+def _expand_scales(srow, block, dst):
+    """dst[k] = value of srow[k // block]: one scale per weight element of a row."""
+    for kb in range(srow.shape[0]):
+        v = scale_value(srow[kb])
+        for j in range(kb * block, min(dst.shape[0], (kb + 1) * block)):
+            dst[j] = v
 
 
 @njit(cache=True, error_model="numpy")
@@ -173,7 +194,7 @@ def main() -> None:
         print(f"{shape:>11s} " + " ".join(f"{cyc[v]:13.2f}" for v in names) + " "
               + " ".join(f"{med[v] / med['fused']:11.2f}x" for v in names[:4])
               + f"  {'identical' if same else 'DIFFER'}", flush=True)
-    print(f"\n# MXFP4 (e2m1 pairs, a ue8m0 scale per row and 32 elements)")
+    print("\n# MXFP4 (e2m1 pairs, a ue8m0 scale per row and 32 elements)")
     print(f"{'N x K':>11s} {'expand cyc/el':>14s} {'groups cyc/el':>14s} {'expand/groups':>14s}  outputs")
     for shape in args.shapes:
         n, k = (int(x) for x in shape.split("x"))
