@@ -41,6 +41,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from kernels import decode_reference as _ref
 from kernels.cpu_numerics import bits_f32, load_bits, round_as, store_value
 from kernels.cpu_torch_sum import ILP, LANES, LEVELS, sum_squares
 from kernels.sinkhorn import _sinkhorn_kernel
@@ -182,19 +183,14 @@ def mhc_mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     """(pre [T, n], post [T, n], comb [T, n, n]) fp32 as engine.layers.hc_mix_weights, plus the
     collapsed x [T, D] in streams.dtype when ``collapse`` (rms_norm'ed by ``norm_weight`` when
     given). ``precision`` is the Triton kernel's and ignored here."""
-    if streams.dim() != 3:
-        raise ValueError(f"streams must be [T, n, D], got {tuple(streams.shape)}")
+    _ref.check_mhc_mix(streams, fn, base, scale)
     t, n, d = streams.shape
-    if fn.shape != ((2 + n) * n, n * d) or base.shape != ((2 + n) * n,) or scale.shape != (3,):
-        raise ValueError(f"fn must be [{(2 + n) * n}, {n * d}], base [{(2 + n) * n}], scale [3]; got "
-                         f"{tuple(fn.shape)}, {tuple(base.shape)}, {tuple(scale.shape)}")
     if norm_weight is not None and (not collapse or norm_weight.shape != (d,)):
         raise ValueError("norm_weight [D] needs collapse=True")
     if sinkhorn_iters < 1:
         raise ValueError(f"sinkhorn_iters must be >= 1, got {sinkhorn_iters}")
     if streams.dtype not in (torch.float32, torch.bfloat16):
-        from kernels.decode_reference import mhc_mix_reference
-        return mhc_mix_reference(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, collapse, precision,
+        return _ref.mhc_mix_reference(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, collapse, precision,
                                  norm_weight, out_eps)
     src = streams.detach().contiguous()
     pre = torch.empty(t, n, dtype=torch.float32)
@@ -241,8 +237,7 @@ def mhc_expand(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb:
         raise ValueError(f"y must be [{t}, {d}], post [{t}, {n}], comb [{t}, {n}, {n}]; got {tuple(y.shape)}, "
                          f"{tuple(post.shape)}, {tuple(comb.shape)}")
     if streams.dtype not in (torch.float32, torch.bfloat16) or y.dtype != streams.dtype:
-        from kernels.decode_reference import mhc_expand_reference
-        return mhc_expand_reference(streams, y, post, comb)
+        return _ref.mhc_expand_reference(streams, y, post, comb)
     out = torch.empty(t, n, d, dtype=streams.dtype)
     if t:
         _expand_kernel(_np(streams.detach().contiguous()).reshape(t, n * d), _np(y.detach().contiguous()), _f32(post),

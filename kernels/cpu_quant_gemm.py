@@ -211,6 +211,20 @@ def _fp8_dot_rows(codes, r0, r1, scaled, out):
             out[m - 1, r] = acc
 
 
+@njit(cache=True, error_model="numpy")
+def _fp8_rows(codes, scale, block_n, block_k, r0, r1, a, out):
+    """out[:, r] for weight rows [r0, r1) of codes [N, K]: one parallel task of the fused FP8
+    GEMVs. The activations a [M, K] are scaled once per block row of scales, then that block
+    row's weight rows go through `_fp8_dot_rows`."""
+    scaled = np.empty(a.shape, np.float32)                      # [M, K]: a as a block row sees it
+    r = r0
+    while r < r1:
+        end = min(r1, (r // block_n + 1) * block_n)
+        _scale_activations(a, scale[r // block_n], block_k, scaled)
+        _fp8_dot_rows(codes, r, end, scaled, out)
+        r = end
+
+
 @njit(parallel=True, cache=True, error_model="numpy")
 def _fp8_gemv(codes_arg, scale_arg, block_n, block_k, a_arg, out_arg, per):
     """out[m, n] = a[m] . (e4m3(codes[n]) * scale[n // block_n]); codes [N, K] u8, a [M, K], out [M, N]."""
@@ -218,13 +232,7 @@ def _fp8_gemv(codes_arg, scale_arg, block_n, block_k, a_arg, out_arg, per):
     a, out = borrow(a_arg), borrow(out_arg)
     n = codes.shape[0]
     for task in prange((n + per - 1) // per):
-        scaled = np.empty(a.shape, np.float32)                  # [M, K]: a as a block row sees it
-        r, end = task * per, min(n, (task + 1) * per)
-        while r < end:                                          # the task's rows, block row by block row
-            r1 = min(end, (r // block_n + 1) * block_n)
-            _scale_activations(a, scale[r // block_n], block_k, scaled)
-            _fp8_dot_rows(codes, r, r1, scaled, out)
-            r = r1
+        _fp8_rows(codes, scale, block_n, block_k, task * per, min(n, (task + 1) * per), a, out)
 
 
 @njit(cache=True, error_model="numpy", fastmath=_DOT_MATH)
@@ -295,14 +303,8 @@ def _fp8_grouped_gemv(codes_arg, scale_arg, block_n, block_k, a_arg, ends_arg, m
     tasks = (n + per - 1) // per
     for t in prange(active.shape[0] * tasks):
         e, task = active[t // tasks], t % tasks
-        rows, dst = a[first[t // tasks]:ends_arg[e]], out[first[t // tasks]:ends_arg[e]]
-        scaled = np.empty(rows.shape, np.float32)
-        r, end = task * per, min(n, (task + 1) * per)
-        while r < end:
-            r1 = min(end, (r // block_n + 1) * block_n)
-            _scale_activations(rows, scale[e, r // block_n], block_k, scaled)
-            _fp8_dot_rows(codes[e], r, r1, scaled, dst)
-            r = r1
+        _fp8_rows(codes[e], scale[e], block_n, block_k, task * per, min(n, (task + 1) * per),
+                  a[first[t // tasks]:ends_arg[e]], out[first[t // tasks]:ends_arg[e]])
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
