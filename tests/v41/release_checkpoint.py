@@ -236,7 +236,11 @@ def load_weights(model_dir: Path, cfg: V41Config) -> dict[str, torch.Tensor]:
         if scale is not None:
             out[name] = _decode(name, tensor, scale, cfg)
         elif tensor.dtype in (torch.bfloat16, torch.float32):
-            out[name] = tensor
+            # A copy in its own (64-byte aligned) allocation, as REF holds its parameters: a
+            # tensor read from the file sits at the file's offset, and MKL's fp32 GEMM rounds
+            # differently for unaligned operands on some CPUs (seen on an AMD EPYC: the mHC
+            # projection's last bits, hence c2 prompt 2's tokens from step 14 on)
+            out[name] = tensor.clone()
         else:
             raise ValueError(f"{name}: {tensor.dtype} without a scale")
     return out
