@@ -39,15 +39,20 @@ def checkpoint_factory(tmp_path_factory):
     """Build (and cache per session) a random checkpoint: factory(name, preset, layout, **overrides)."""
     from engine.checkpoint import preset_config, random_state, write_checkpoint
 
-    made: dict[str, Path] = {}
+    made: dict[str, tuple[str, Path]] = {}
 
     def make(name: str, preset: str = "tiny", layout: str = "upstream", dtype=torch.float32, quantize=None,
              seed: int = 0, **overrides) -> Path:
+        # One name, one checkpoint: which test asks first depends on the run's order (or on
+        # how pytest-xdist splits it), so a second spec under a taken name is an error.
+        spec = repr((preset, layout, dtype, quantize, seed, sorted(overrides.items())))
         if name not in made:
             cfg = preset_config(preset, **overrides)
             out = tmp_path_factory.mktemp(name)
             write_checkpoint(out, cfg, random_state(cfg, seed), layout=layout, dtype=dtype, quantize=quantize)
-            made[name] = out
-        return made[name]
+            made[name] = (spec, out)
+        if made[name][0] != spec:
+            raise ValueError(f"checkpoint {name!r} was made as {made[name][0]}, now asked for as {spec}")
+        return made[name][1]
 
     return make

@@ -47,7 +47,7 @@ def _engines(checkpoint_factory):
 
     numba_threads = numba.get_num_threads()
     numba.set_num_threads(1)
-    model = load_model(checkpoint_factory("tiny-upstream"), dtype=torch.float32, progress=False)
+    model = load_model(checkpoint_factory("tiny-upstream", index_topk=64), dtype=torch.float32, progress=False)
     kv = KVTransferConfig(model_id="tiny@test", lease_s=5.0, idle_peer_s=60.0)
     pre = Engine(model, EngineConfig(**ENGINE, kv_transfer=msgspec.structs.replace(kv, role="prefill")))
     dec = Engine(model, EngineConfig(**ENGINE, kv_transfer=msgspec.structs.replace(kv, role="decode")))
