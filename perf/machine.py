@@ -37,10 +37,20 @@ def header(what: str = "") -> str:
 
 def set_cpu_threads(n: int) -> None:
     """Use `n` threads in torch and numba alike (numba's pool would otherwise take every core
-    and reset torch's count when it starts)."""
+    and reset torch's count when it starts). numba sizes its OpenMP pool once, from
+    NUMBA_NUM_THREADS, at import: a pool larger than `n` keeps its idle threads spinning after
+    every parallel kernel, which took ~40 % longer decode steps on a 2-core machine with the
+    other core busy. A worker avoids it (server/worker_entry.py pins the pool before numba is
+    imported); a benchmark run with fewer threads than cores warns, so run it as
+    `NUMBA_NUM_THREADS=n OMP_NUM_THREADS=n python perf/...` to measure what a worker runs."""
+    import sys
+
     import numba
     import torch
 
+    if numba.config.NUMBA_NUM_THREADS > n:
+        print(f"# warning: numba's pool has {numba.config.NUMBA_NUM_THREADS} threads for {n} used; "
+              f"set NUMBA_NUM_THREADS={n} OMP_NUM_THREADS={n} to time what a {n}-thread worker runs", file=sys.stderr)
     numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
     torch.set_num_threads(n)
 
