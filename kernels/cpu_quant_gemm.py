@@ -2,7 +2,7 @@
 
 Two paths, chosen by the number of activation rows M (per expert for the grouped ops):
 
-* M <= ``GEMV_MAX_ROWS`` (decode): one numba kernel per op, grouped ops included (every expert
+* M <= ``GEMV_MAX_ROWS`` (FP8) / ``FP4_GEMV_MAX_ROWS`` (decode; FP4 also short prefills): one numba kernel per op, grouped ops included (every expert
   with rows in the same call, no Python loop). The weight is read once, as stored (1 byte or
   half a byte per element), like llama.cpp's vec_dot kernels. FP8 rows are decoded through IEEE
   half bits (`e4m3_half_bits`, vcvtph2ps) without their scales, which the activations carry
@@ -39,10 +39,16 @@ from kernels.reference import ACT_GROUP, E2M1_VALUES, FP4_GROUP
 I8, I16 = np.int8, np.int16
 
 TILE_BYTES = 1 << 21     # fp32 weight tile per mm: about a core's L2 (larger tiles help large M)
-# Activation rows up to which the fused row kernels beat tile decode + sgemm: on a 2-core Xeon
-# they won at M <= 4 (1.1-3x) and lost at 16 (0.6x), where sgemm's register blocking pays off
-# (perf/bench_quant_gemm.py prints both paths per M).
-GEMV_MAX_ROWS = 4
+# Activation rows (per expert for the grouped ops) up to which the fused row kernels beat tile
+# decode + sgemm (perf/bench_quant_gemm.py prints both paths per M). FP8: on a 2-core Xeon they
+# won at M <= 4 (1.1-3x) and lost at 16 (0.6x); on an AMD EPYC (Zen 4) 1.9-2.8x at 8, even at
+# 16, 0.6x at 32, where sgemm's register blocking pays off (the FP8 kernel decodes each weight
+# again for every 4 rows). FP4 decodes a row once into L1 and dots every activation row with
+# it, so it keeps winning far longer: on the grouped experts of a 128-token prefill (12-20 rows
+# an expert) 1.8-3.2x, still 1.4-1.6x at ~64 rows, since the tiled path pays a Python call,
+# a tile decode and a small sgemm per expert.
+GEMV_MAX_ROWS = 8
+FP4_GEMV_MAX_ROWS = 64
 # The fused kernels split their weight rows into about TASKS_PER_THREAD parallel tasks per
 # thread (at least ROWS_PER_TASK rows each): enough to balance threads, few enough that the
 # buffers each task allocates cost nothing (16-row tasks spent ~25% of a batch-1 GEMV there).
@@ -415,7 +421,7 @@ def _fp4_mm(a: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, group: i
     pairs, s = _np(packed), _np(scale)
     if a.shape[0] == 0:
         return torch.empty(0, packed.shape[0])
-    if a.shape[0] <= GEMV_MAX_ROWS:
+    if a.shape[0] <= FP4_GEMV_MAX_ROWS:
         out = torch.empty(a.shape[0], packed.shape[0])
         _fp4_gemv(pairs, s, E2M1_PAIR_TABLE, group, a.numpy(), out.numpy(), _rows_per_task(packed.shape[0]))
         return out
@@ -448,12 +454,12 @@ def fp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, act_q
     return _finish(_fp4_mm(a, packed, scale, group), out_dtype or x.dtype)
 
 
-def _grouped(a: torch.Tensor, n: int, offsets: torch.Tensor, out_dtype: torch.dtype,
+def _grouped(a: torch.Tensor, n: int, offsets: torch.Tensor, out_dtype: torch.dtype, max_rows: int,
              fused: Callable[[np.ndarray, int, int, np.ndarray], None],
              expert_mm: Callable[[torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
     """Expert e's rows [offsets[e-1], offsets[e]) of a fp32 [S, K] through expert e -> [S, N];
     experts without rows are never decoded; rows past offsets[-1] stay zero. One fused call
-    fused(ends, max_rows, out) does every expert with at most GEMV_MAX_ROWS rows (all of them in
+    fused(ends, max_rows, out) does every expert with at most `max_rows` rows (all of them in
     a decode step); expert_mm(rows, e) -> fp32 [rows, N] does each expert with more (the tiled
     path), so a batch where a few experts are popular still decodes the rest in one call (its
     third argument: how many experts that call decodes)."""
@@ -463,10 +469,10 @@ def _grouped(a: torch.Tensor, n: int, offsets: torch.Tensor, out_dtype: torch.dt
         return _finish(out, out_dtype)
     counts = ends.copy()
     counts[1:] -= ends[:-1]                                 # rows per expert (np.diff: 5x the cost)
-    light = int(np.count_nonzero((counts > 0) & (counts <= GEMV_MAX_ROWS)))
+    light = int(np.count_nonzero((counts > 0) & (counts <= max_rows)))
     if light:
-        fused(ends, GEMV_MAX_ROWS, light, out.numpy())
-    for e in np.flatnonzero(counts > GEMV_MAX_ROWS).tolist():
+        fused(ends, max_rows, light, out.numpy())
+    for e in np.flatnonzero(counts > max_rows).tolist():
         start, end = int(ends[e] - counts[e]), int(ends[e])
         out[start:end] = expert_mm(a[start:end], e)
     return _finish(out, out_dtype)
@@ -482,7 +488,7 @@ def fp8_grouped_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, o
     def fused(ends: np.ndarray, max_rows: int, light: int, out: np.ndarray) -> None:
         _fp8_grouped_gemv(_np(weight), _np(scale), bn, bk, a.numpy(), ends, max_rows, out,
                           _rows_per_task(weight.shape[1] * light))
-    return _grouped(a, weight.shape[1], offsets, out_dtype or x.dtype, fused,
+    return _grouped(a, weight.shape[1], offsets, out_dtype or x.dtype, GEMV_MAX_ROWS, fused,
                     lambda rows, e: _fp8_mm(rows, weight[e], scale[e], (bn, bk)))
 
 
@@ -495,5 +501,5 @@ def fp4_grouped_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, o
     def fused(ends: np.ndarray, max_rows: int, light: int, out: np.ndarray) -> None:
         _fp4_grouped_gemv(_np(packed), _np(scale), E2M1_PAIR_TABLE, group, a.numpy(), ends, max_rows, out,
                           _rows_per_task(packed.shape[1] * light))
-    return _grouped(a, packed.shape[1], offsets, out_dtype or x.dtype, fused,
+    return _grouped(a, packed.shape[1], offsets, out_dtype or x.dtype, FP4_GEMV_MAX_ROWS, fused,
                     lambda rows, e: _fp4_mm(rows, packed[e], scale[e], group))

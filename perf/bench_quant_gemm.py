@@ -64,11 +64,12 @@ def interleaved_medians(fns: list[Callable[[], object]], repeats: int) -> list[f
 def tiled(fn: Callable[[], object]) -> Callable[[], object]:
     """fn with the CPU kernels forced onto the tiled path."""
     def run() -> object:
-        saved, cpu_quant_gemm.GEMV_MAX_ROWS = cpu_quant_gemm.GEMV_MAX_ROWS, 0
+        saved = cpu_quant_gemm.GEMV_MAX_ROWS, cpu_quant_gemm.FP4_GEMV_MAX_ROWS
+        cpu_quant_gemm.GEMV_MAX_ROWS = cpu_quant_gemm.FP4_GEMV_MAX_ROWS = 0
         try:
             return fn()
         finally:
-            cpu_quant_gemm.GEMV_MAX_ROWS = saved
+            cpu_quant_gemm.GEMV_MAX_ROWS, cpu_quant_gemm.FP4_GEMV_MAX_ROWS = saved
     return run
 
 
@@ -111,16 +112,17 @@ def cpu_fns(kind: str, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, q, off
             lambda: F.grouped_mm(x, w16, offs=offs))
 
 
-def takes_fused(m: int, offs: torch.Tensor | None) -> bool:
+def takes_fused(kind: str, m: int, offs: torch.Tensor | None) -> bool:
+    limit = cpu_quant_gemm.GEMV_MAX_ROWS if kind == "fp8" else cpu_quant_gemm.FP4_GEMV_MAX_ROWS
     if offs is None:
-        return 0 < m <= cpu_quant_gemm.GEMV_MAX_ROWS
-    return m > 0 and int(torch.diff(offs, prepend=offs.new_zeros(1)).max()) <= cpu_quant_gemm.GEMV_MAX_ROWS
+        return 0 < m <= limit
+    return m > 0 and int(torch.diff(offs, prepend=offs.new_zeros(1)).max()) <= limit
 
 
 def run_cpu(rows: list[int], repeats: int) -> None:
     print(header("bench_quant_gemm"))
     print(f"torch threads {torch.get_num_threads()}, numba threads {numba.get_num_threads()}; "
-          f"fused up to GEMV_MAX_ROWS={cpu_quant_gemm.GEMV_MAX_ROWS} rows")
+          f"fused up to {cpu_quant_gemm.GEMV_MAX_ROWS} rows (FP8) / {cpu_quant_gemm.FP4_GEMV_MAX_ROWS} (FP4), per expert")
     print(f"{'case':26s} {'M':>5s} {'cpu ms':>9s} {'tiled ms':>9s} {'fused/tiled':>11s} {'deq+mm ms':>10s} "
           f"{'speedup':>8s} {'bf16 mm ms':>11s}")
     g = torch.Generator().manual_seed(0)
@@ -131,7 +133,7 @@ def run_cpu(rows: list[int], repeats: int) -> None:
             offs = offsets_for(m, e, g) if e else None
             cpu, baseline, bf16 = cpu_fns(kind, x, w, s, q, offs)
             ours, tiles, base, b16 = interleaved_medians([cpu, tiled(cpu), baseline, bf16], repeats)
-            gain = f"{tiles / ours:10.2f}x" if takes_fused(m, offs) else f"{'-':>11s}"
+            gain = f"{tiles / ours:10.2f}x" if takes_fused(kind, m, offs) else f"{'-':>11s}"
             print(f"{name:26s} {m:5d} {ours * 1e3:9.3f} {tiles * 1e3:9.3f} {gain} {base * 1e3:10.2f} "
                   f"{base / ours:7.1f}x {b16 * 1e3:11.3f}")
 
@@ -164,7 +166,7 @@ def run_gpu(rows: list[int], repeats: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--rows", default="1,4,16,32,256", help="comma-separated activation row counts M")
+    parser.add_argument("--rows", default="1,4,8,16,32,256,768", help="comma-separated activation row counts M")
     parser.add_argument("--gpu", action="store_true", help="also time the Triton kernels (needs CUDA)")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch and numba threads (default: theirs); 1 is steadier on a busy machine")

@@ -32,11 +32,17 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
                                                             b.masked_fill(nan, 0).view(torch.int32))
 
 
+def force_cpu_path(monkeypatch, fused: bool) -> None:
+    """Move both thresholds (FP8's and FP4's) so every call takes the fused kernels or the tiled path."""
+    for name in ("GEMV_MAX_ROWS", "FP4_GEMV_MAX_ROWS"):
+        monkeypatch.setattr(cpu_quant_gemm, name, 1 << 30 if fused else 0)
+
+
 @pytest.fixture(params=["fused", "tiled"])
 def cpu_path(request, monkeypatch):
-    """Both CPU paths: the fused row kernels (taken up to GEMV_MAX_ROWS rows) and the tiled
-    decode + sgemm path (taken above), forced by moving the threshold."""
-    monkeypatch.setattr(cpu_quant_gemm, "GEMV_MAX_ROWS", 1 << 30 if request.param == "fused" else 0)
+    """Both CPU paths: the fused row kernels (taken up to GEMV_MAX_ROWS / FP4_GEMV_MAX_ROWS
+    rows) and the tiled decode + sgemm path (taken above), forced by moving the thresholds."""
+    force_cpu_path(monkeypatch, request.param == "fused")
     return request.param
 
 
@@ -45,7 +51,7 @@ def impl(request, monkeypatch):
     """The op set under test: kernels.* on CPU tensors (either CPU path), or the Triton module
     (interpreted)."""
     if request.param.startswith("cpu"):
-        monkeypatch.setattr(cpu_quant_gemm, "GEMV_MAX_ROWS", 1 << 30 if request.param == "cpu-fused" else 0)
+        force_cpu_path(monkeypatch, request.param == "cpu-fused")
         return kernels
     return pytest.importorskip("kernels.triton.quant_gemm")
 
@@ -183,7 +189,7 @@ def test_cpu_fp8_linear_dtypes(x_dtype, out_dtype):
 
 
 def test_cpu_path_tiles_cover_every_row(monkeypatch):
-    monkeypatch.setattr(cpu_quant_gemm, "GEMV_MAX_ROWS", 0)
+    force_cpu_path(monkeypatch, fused=False)
     monkeypatch.setattr(cpu_quant_gemm, "TILE_BYTES", 1)          # one scale block (or one row) per tile
     _check_fp8(kernels, 4, 40, 100, (16, 32), False, torch.uint8, torch.float32, torch.float32, 8)
     g = gen(9)
@@ -195,18 +201,20 @@ def test_cpu_path_tiles_cover_every_row(monkeypatch):
 
 
 def test_cpu_rows_up_to_the_threshold_take_the_fused_kernels(monkeypatch):
-    """Decode-sized calls (<= GEMV_MAX_ROWS rows, per expert for the grouped ops) never decode a
-    weight tile; one row more switches to the tiled path. Both sides match the reference."""
-    m = cpu_quant_gemm.GEMV_MAX_ROWS
+    """Calls up to the threshold (GEMV_MAX_ROWS rows for FP8, FP4_GEMV_MAX_ROWS for FP4, per
+    expert for the grouped ops) never decode a weight tile; one row more switches to the tiled
+    path. Both sides match the reference."""
+    m, m4 = cpu_quant_gemm.GEMV_MAX_ROWS, cpu_quant_gemm.FP4_GEMV_MAX_ROWS
     tiled_calls = []
     real_tiled = cpu_quant_gemm._tiled_mm
     monkeypatch.setattr(cpu_quant_gemm, "_tiled_mm", lambda *a: tiled_calls.append(a[0].shape[0]) or real_tiled(*a))
     for rows in (m, m + 1):
         _check_fp8(kernels, rows, 40, 100, (16, 32), True, torch.uint8, torch.float32, torch.float32, rows)
+    for rows in (m4, m4 + 1):
         _check_fp4(kernels, rows, 33, 96, False, torch.uint8, torch.float32, torch.float32, rows)
-    assert tiled_calls == [m + 1, m + 1]
+    assert tiled_calls == [m + 1, m4 + 1]
     tiled_calls.clear()
-    _check_grouped(kernels, True, [m, m, 2 * m], 2 * m, 64, act_quant=False, seed=20)      # m rows per expert
+    _check_grouped(kernels, True, [m4, m4, 2 * m4], 2 * m4, 64, act_quant=False, seed=20)      # m4 rows per expert
     assert tiled_calls == []
     row_kernel_calls = []
     for name in ("_fp8_gemv", "_fp8_grouped_gemv"):
