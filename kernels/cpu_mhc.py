@@ -191,7 +191,7 @@ def mhc_mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
         raise ValueError(f"sinkhorn_iters must be >= 1, got {sinkhorn_iters}")
     if streams.dtype not in (torch.float32, torch.bfloat16):
         return _ref.mhc_mix_reference(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, collapse, precision,
-                                 norm_weight, out_eps)
+                                      norm_weight, out_eps)
     src = streams.detach().contiguous()
     pre = torch.empty(t, n, dtype=torch.float32)
     post = torch.empty(t, n, dtype=torch.float32)

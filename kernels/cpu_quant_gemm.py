@@ -2,8 +2,9 @@
 
 Two paths, chosen by the number of activation rows M (per expert for the grouped ops):
 
-* M <= ``GEMV_MAX_ROWS`` (FP8) / ``FP4_GEMV_MAX_ROWS`` (decode; FP4 also short prefills): one numba kernel per op, grouped ops included (every expert
-  with rows in the same call, no Python loop). The weight is read once, as stored (1 byte or
+* M <= ``GEMV_MAX_ROWS`` (FP8) / ``FP4_GEMV_MAX_ROWS`` (FP4) — decode, and for FP4 short prefills
+  too: one numba kernel per op, grouped ops included (every expert with rows in the same call,
+  no Python loop). The weight is read once, as stored (1 byte or
   half a byte per element), like llama.cpp's vec_dot kernels. FP8 rows are decoded through IEEE
   half bits (`e4m3_half_bits`, vcvtph2ps) without their scales, which the activations carry
   instead (`_scale_activations`: exact for power-of-two scales), inside the dot product itself

@@ -102,7 +102,8 @@ def main() -> None:
     models = {wd: load_model(args.model_dir, dtype=dtype, progress=False, weight_dtype=wd)
               for wd in ("auto", "bf16") if wd == "auto" or "bf16" in variants}
     print(f"# {args.model_dir}; {args.dtype}; {args.threads} thread(s); prompt {args.prompt_len}, {args.steps} "
-          f"steps, median of {args.rounds} interleaved rounds; GEMV_MAX_ROWS={cpu_quant_gemm.GEMV_MAX_ROWS} (FP4 {cpu_quant_gemm.FP4_GEMV_MAX_ROWS})")
+          f"steps, median of {args.rounds} interleaved rounds; GEMV_MAX_ROWS={cpu_quant_gemm.GEMV_MAX_ROWS} "
+          f"(FP4 {cpu_quant_gemm.FP4_GEMV_MAX_ROWS})")
     others = variants[1:]
     print(f"{'batch':>5s} " + " ".join(f"{v + ' ms':>10s}" for v in variants) + " "
           + " ".join(f"{v + '/default':>16s}" for v in others))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -43,8 +44,6 @@ def set_cpu_threads(n: int) -> None:
     other core busy. A worker avoids it (server/worker_entry.py pins the pool before numba is
     imported); a benchmark run with fewer threads than cores warns, so run it as
     `NUMBA_NUM_THREADS=n OMP_NUM_THREADS=n python perf/...` to measure what a worker runs."""
-    import sys
-
     import numba
     import torch
 
