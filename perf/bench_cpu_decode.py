@@ -1,7 +1,7 @@
 """CPU decode step of one checkpoint: the decode paths and kernels side by side, in one run.
 
-Variants, each an Engine on the same loaded weights (batch B: B prompts of --prompt-len, then
---steps decode steps; ms per decode step):
+Variants, each an Engine on the same loaded weights (batch B: B prompts of --prompt-len prefilled
+in one step, then --steps decode steps; ms per decode step, and ms for that prefill step):
   default  what the engine runs on CPU: decode steps on the static-shape fused forward
            (engine/fused_decode.py) with the numba kernels of kernels/cpu_decode.py, weights kept
            FP8/FP4 with decode-sized GEMMs on the fused row kernels
@@ -40,8 +40,8 @@ from perf.machine import header, set_cpu_threads
 VARIANTS = ["default", "ref-ops", "per-seq", "tiled", "bf16"]
 
 
-def step_ms(model, batch: int, prompt_len: int, steps: int, static: bool = True) -> float:
-    """ms per decode step after the prompts' prefill (one measurement)."""
+def step_ms(model, batch: int, prompt_len: int, steps: int, static: bool = True) -> tuple[float, float]:
+    """(ms per decode step, ms of the prefill step before them): one measurement."""
     engine = Engine(model, EngineConfig(max_num_seqs=batch, max_num_batched_tokens=batch * prompt_len,
                                         num_kv_blocks=batch * (-(-(prompt_len + steps) // 256) + 2) + 4,
                                         block_size=256, speculative_tokens=0,
@@ -50,12 +50,14 @@ def step_ms(model, batch: int, prompt_len: int, steps: int, static: bool = True)
     for i in range(batch):
         prompt = torch.randint(3, model.cfg.vocab_size - 1, (prompt_len,), generator=g).tolist()
         engine.add_request(i, prompt, SamplingParams(max_tokens=steps + 1, ignore_eos=True))
+    t0 = time.perf_counter()
     engine.step()                                            # the prefill (every prompt fits one step)
+    prefill_ms = 1000 * (time.perf_counter() - t0)
     t0, n = time.perf_counter(), 0
     while engine.has_work:
         engine.step()
         n += 1
-    return 1000 * (time.perf_counter() - t0) / max(n, 1)
+    return 1000 * (time.perf_counter() - t0) / max(n, 1), prefill_ms
 
 
 @contextlib.contextmanager
@@ -73,8 +75,8 @@ def reference_ops():
             setattr(cpu_decode, name, fn)
 
 
-def run_variant(name: str, models: dict, batch: int, args) -> float:
-    def run() -> float:
+def run_variant(name: str, models: dict, batch: int, args) -> tuple[float, float]:
+    def run() -> tuple[float, float]:
         return step_ms(models["bf16" if name == "bf16" else "auto"], batch, args.prompt_len, args.steps,
                        static=name != "per-seq")
     if name == "ref-ops":
@@ -105,18 +107,19 @@ def main() -> None:
           f"steps, median of {args.rounds} interleaved rounds; GEMV_MAX_ROWS={cpu_quant_gemm.GEMV_MAX_ROWS} "
           f"(FP4 {cpu_quant_gemm.FP4_GEMV_MAX_ROWS})")
     others = variants[1:]
-    print(f"{'batch':>5s} " + " ".join(f"{v + ' ms':>10s}" for v in variants) + " "
+    print(f"{'batch':>5s} {'phase':>7s} " + " ".join(f"{v + ' ms':>10s}" for v in variants) + " "
           + " ".join(f"{v + '/default':>16s}" for v in others))
     for batch in args.batch:
         for name in variants:                                # warm-up: numba cache, allocator
             run_variant(name, models, batch, argparse.Namespace(prompt_len=args.prompt_len, steps=2))
-        times: dict[str, list[float]] = {v: [] for v in variants}
+        times: dict[str, list[tuple[float, float]]] = {v: [] for v in variants}
         for _ in range(args.rounds):
             for name in variants:
                 times[name].append(run_variant(name, models, batch, args))
-        med = {v: statistics.median(t) for v, t in times.items()}
-        print(f"{batch:5d} " + " ".join(f"{med[v]:10.1f}" for v in variants) + " "
-              + " ".join(f"{med[v] / med['default']:15.2f}x" for v in others), flush=True)
+        for i, phase in enumerate(("decode", "prefill")):
+            med = {v: statistics.median(t[i] for t in ts) for v, ts in times.items()}
+            print(f"{batch:5d} {phase:>7s} " + " ".join(f"{med[v]:10.1f}" for v in variants) + " "
+                  + " ".join(f"{med[v] / med['default']:15.2f}x" for v in others), flush=True)
 
 
 if __name__ == "__main__":
