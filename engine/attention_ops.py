@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.cpu_precision import bf16_operands
+
 from .layers import apply_rope, rms_norm
 
 
@@ -52,7 +54,8 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, hea
 
     q: [N, n, Hi, dI]; weights: [N, n, Hi]; keys: [N, E, dI]. Returns [N, n, E].
     """
-    scores = torch.einsum("bqhd,bed->bqhe", q.float(), keys.float()).relu_() * head_dim**-0.5
+    with bf16_operands(q.numel() * keys.shape[1]):                # N·n·Hi·dI·E
+        scores = torch.einsum("bqhd,bed->bqhe", q.float(), keys.float()).relu_() * head_dim**-0.5
     return (scores * weights.float().unsqueeze(-1)).sum(dim=2)
 
 
@@ -80,14 +83,17 @@ def sink_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Tens
     logits = []
     for keys, mask in sources:
         pattern = "bqhd,bld->bqhl" if keys.dim() == 3 else "bqhd,bqld->bqhl"
-        logits.append((torch.einsum(pattern, q, keys) * scale).masked_fill(~mask[:, :, None, :], float("-inf")))
+        with bf16_operands(q.numel() * keys.shape[-2]):           # N·n·H·D·L
+            scores = torch.einsum(pattern, q, keys)
+        logits.append((scores * scale).masked_fill(~mask[:, :, None, :], float("-inf")))
     logits.append(sink.float().view(1, 1, -1, 1).expand(*q.shape[:3], 1))
     probs = torch.softmax(torch.cat(logits, dim=-1), dim=-1)
     out, begin = None, 0
     for keys, _ in sources:
         length = keys.shape[-2]
         pattern = "bqhl,bld->bqhd" if keys.dim() == 3 else "bqhl,bqld->bqhd"
-        part = torch.einsum(pattern, probs[..., begin : begin + length], keys)
+        with bf16_operands(q.numel() * length):
+            part = torch.einsum(pattern, probs[..., begin : begin + length], keys)
         out = part if out is None else out + part
         begin += length
     return out

@@ -391,6 +391,7 @@ MODES = ("throughput", "single-user")
 COMPUTE_DTYPES = ("auto", "bf16", "fp32")
 KV_DTYPES = ("auto", "bf16", "fp8", "fp4")
 WEIGHT_DTYPES = ("auto", "bf16")
+CPU_MATMUL_PRECISIONS = ("auto", "fp32", "bf16")  # kernels/cpu_precision.py
 ENGRAM_TABLES = ("device", "host")
 PREFIX_REPLAY_MODES = ("exact", "bounded")
 
@@ -406,6 +407,9 @@ class EngineConfig:
     # auto = weights as the checkpoint stores them (FP8/FP4 dequantized inside the GEMMs);
     # bf16 = every weight decoded into the compute dtype at load.
     weight_dtype: str = "auto"
+    # fp32 matmuls of a CPU worker: exact, or bf16 operands with fp32 accumulation (oneDNN; auto
+    # = bf16 on CPUs with AMX). kernels/cpu_precision.py.
+    cpu_matmul_precision: str = "auto"
     # DeepSeek-V4.1's Engram tables (hashed n-gram rows, 189 GiB in the release): on the device,
     # or in host memory, looked up there and only the rows a step reads copied over.
     engram_tables: str = "device"
@@ -446,6 +450,8 @@ class EngineConfig:
             (self.dtype in COMPUTE_DTYPES, "dtype", f"must be one of {', '.join(COMPUTE_DTYPES)}"),
             (self.kv_dtype in KV_DTYPES, "kv_dtype", f"must be one of {', '.join(KV_DTYPES)}"),
             (self.weight_dtype in WEIGHT_DTYPES, "weight_dtype", f"must be one of {', '.join(WEIGHT_DTYPES)}"),
+            (self.cpu_matmul_precision in CPU_MATMUL_PRECISIONS, "cpu_matmul_precision",
+             f"must be one of {', '.join(CPU_MATMUL_PRECISIONS)}"),
             (self.engram_tables in ENGRAM_TABLES, "engram_tables", f"must be one of {', '.join(ENGRAM_TABLES)}"),
             (all(s >= 1 for s in self.cuda_graph_sizes), "cuda_graph_sizes", "must be positive batch sizes"),
             (self.max_num_seqs is None or self.max_num_seqs >= 1, "max_num_seqs", "must be ≥ 1"),

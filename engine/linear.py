@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
+from kernels.cpu_precision import bf16_operands
 
 from .layers import clamped_swiglu
 
@@ -133,7 +134,8 @@ class Linear(QuantWeight):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fmt.kind == "dense":
-            return F.linear(x, self.weight)
+            with bf16_operands(x.numel() * self.out_features):   # M·K·N
+                return F.linear(x, self.weight)
         flat = x.reshape(-1, x.shape[-1])  # [M, K]
         if self.fmt.kind == "fp8":
             out = kernels.fp8_linear(flat, self.weight, self.scale, self.fmt.block)  # [M, N]
@@ -157,7 +159,8 @@ class GroupedLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g, o = self.groups, self.out_per_group
         if self.fmt.kind == "dense":
-            return torch.einsum("tgi,goi->tgo", x, self.weight.view(g, o, -1))
+            with bf16_operands(x.numel() * o):                   # T·G·I·O
+                return torch.einsum("tgi,goi->tgo", x, self.weight.view(g, o, -1))
         t = x.shape[0]
         rows = x.transpose(0, 1).reshape(g * t, x.shape[-1])  # [G·T, I], group-major: one "expert" per group
         ends = torch.arange(1, g + 1, dtype=torch.int32, device=x.device) * t  # [G] cumulative row ends

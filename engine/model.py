@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.cpu_precision import bf16_operands
+
 from .attention import Attention, StepRope
 from .config import ModelConfig
 from .layers import RotaryTable, hc_collapse, hc_expand, hc_head_collapse, hc_mix_weights, rms_norm
@@ -121,4 +123,5 @@ class DeepseekV4(nn.Module):
     def logits(self, streams: torch.Tensor) -> torch.Tensor:
         """[T, n, D] streams → [T, vocab] fp32 logits."""
         x = rms_norm(self.hc_head(streams, self.cfg), self.norm, self.cfg.rms_norm_eps)
-        return F.linear(x, self.head).float()
+        with bf16_operands(x.numel() * self.head.shape[0]):
+            return F.linear(x, self.head).float()

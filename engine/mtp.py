@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.cpu_precision import bf16_operands
+
 from .config import ModelConfig
 from .layers import rms_norm
 from .linear import Linear
@@ -49,4 +51,5 @@ class MTPLayer(nn.Module):
 
     def logits(self, model: DeepseekV4, streams: torch.Tensor) -> torch.Tensor:
         x = rms_norm(self.hc_head(streams, self.cfg), self.norm, self.cfg.rms_norm_eps)
-        return F.linear(x, model.head).float()
+        with bf16_operands(x.numel() * model.head.shape[0]):
+            return F.linear(x, model.head).float()

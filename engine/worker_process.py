@@ -27,6 +27,7 @@ from ipc import (Abort, Heartbeat, IpcError, RingReader, RingTimeout, RingWriter
                  Wake, WorkerReady, decode, encode)
 from ipc.errors import MessageTooLarge
 from ipc.loop import new_event_loop
+from kernels import cpu_precision
 
 from .config import ConfigError, EngineConfig, ModelConfig, ParallelConfig
 from .engine import Engine, default_dtype
@@ -86,6 +87,8 @@ def worker_main(args, device: str = "cpu") -> None:
     try:
         config = EngineConfig.from_json(args.engine_config)
         parallel = ParallelConfig.from_json(args.parallel_config)
+        if device == "cpu":
+            cpu_precision.apply(config.cpu_matmul_precision, config.dtype)
         if parallel.grouped:
             group = join_group(rank, parallel, args.master_port, args.generation)
         model, ep = _load(args.model_dir, config, parallel, device, group)

@@ -33,6 +33,7 @@ from numba import get_num_threads, njit, prange, types
 from numba.extending import overload
 
 from kernels import checks
+from kernels.cpu_precision import bf16_operands
 from kernels.cpu_numerics import (F32, U16, U32, amax_key, bits_f32, borrow, clamp_inf, e4m3_code, f32_bits,
                                   half_value, pow2, ue8m0_exponent, ue8m0_value)
 from kernels.reference import ACT_GROUP, E2M1_VALUES, FP4_GROUP
@@ -395,11 +396,12 @@ def _tiled_mm(a: torch.Tensor, n: int, row_align: int, dequant: Callable[[int, i
     out = torch.empty(m, n)                                 # [M, N]
     rows = max(row_align, TILE_BYTES // (4 * max(k, 1)) // row_align * row_align)
     buf = torch.empty(min(rows, n), k)                      # [rows, K]
-    for n0 in range(0, n, rows):
-        n1 = min(n0 + rows, n)
-        tile = buf[:n1 - n0]
-        dequant(n0, n1, tile.numpy())
-        torch.mm(a, tile.T, out=out[:, n0:n1])
+    with bf16_operands(m * k * min(rows, n)):               # kernels/cpu_precision.py: one tile's product
+        for n0 in range(0, n, rows):
+            n1 = min(n0 + rows, n)
+            tile = buf[:n1 - n0]
+            dequant(n0, n1, tile.numpy())
+            torch.mm(a, tile.T, out=out[:, n0:n1])
     return out
 
 

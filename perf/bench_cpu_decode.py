@@ -2,7 +2,7 @@
 
 Variants, each an Engine on the same loaded weights (batch B: B prompts of --prompt-len prefilled
 in one step, then --steps decode steps; ms per decode step, and ms for that prefill step):
-  default  what the engine runs on CPU: decode steps on the static-shape fused forward
+  default  the engine on CPU with exact fp32 matmuls: decode steps on the static-shape fused forward
            (engine/fused_decode.py) with the numba kernels of kernels/cpu_decode.py, weights kept
            FP8/FP4 with decode-sized GEMMs on the fused row kernels
   ref-ops  as default, with kernels/cpu_decode.py's ops swapped for their torch references
@@ -11,6 +11,9 @@ in one step, then --steps decode steps; ms per decode step, and ms for that pref
            SequenceContext: torch ops per sequence and layer)
   tiled    as default, every GEMM on the tiled path (tile decode + sgemm)
   bf16     as default with `--weight-dtype bf16`: every weight decoded once at load (2-4x the memory)
+  bf16-mm  as default with `--cpu-matmul-precision bf16` (kernels/cpu_precision.py): torch's fp32
+           matmuls multiply bf16 operands with fp32 accumulation (oneDNN); what `ringserve serve`
+           runs on a CPU with AMX
 Rounds interleave the variants (default, ref-ops, …) so a busy neighbour slows them alike;
 medians over --rounds. Ratios are variant / default (> 1: the default is faster). --dtype is
 the compute dtype (fp32: what `ringserve serve` runs on CPU).
@@ -34,10 +37,11 @@ from engine.engine import Engine
 from engine.weights import load_model
 from ipc.messages import SamplingParams
 from kernels import cpu_decode, cpu_quant_gemm
+from kernels.cpu_precision import matmul_precision
 from perf.bench_quant_gemm import tiled
 from perf.machine import header, set_cpu_threads
 
-VARIANTS = ["default", "ref-ops", "per-seq", "tiled", "bf16"]
+VARIANTS = ["default", "ref-ops", "per-seq", "tiled", "bf16", "bf16-mm"]
 
 
 def step_ms(model, batch: int, prompt_len: int, steps: int, static: bool = True) -> tuple[float, float]:
@@ -81,6 +85,9 @@ def run_variant(name: str, models: dict, batch: int, args) -> tuple[float, float
                        static=name != "per-seq")
     if name == "ref-ops":
         with reference_ops():
+            return run()
+    if name == "bf16-mm":
+        with matmul_precision("bf16"):
             return run()
     return tiled(run)() if name == "tiled" else run()
 

@@ -71,6 +71,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="weight storage: auto keeps the checkpoint's form (FP8 dense projections and FP4 "
                         "routed experts stay quantized, dequantized inside the GEMM kernels); bf16 decodes "
                         "every weight into the compute dtype at load (more memory)")
+    p.add_argument("--cpu-matmul-precision", choices=["auto", "fp32", "bf16"], default="auto",
+                   help="fp32 matmuls on CPU: exact (fp32), or bf16 operands with fp32 accumulation, TF32's "
+                        "role on GPUs (bf16: 3-3.5x on prefill GEMMs with AMX); auto: bf16 on CPUs with AMX unless "
+                        "--dtype fp32 was given")
     p.add_argument("--engram-tables", choices=["device", "host"], default="device",
                    help="DeepSeek-V4.1's Engram n-gram tables: on the device, or in host memory (looked up "
                         "there; a step copies only the rows it reads: what lets the released V4.1-Flash fit "
@@ -149,7 +153,7 @@ def engine_config_from(args: argparse.Namespace):
     from engine.config import EngineConfig
 
     return EngineConfig(mode=args.mode, dtype=args.dtype, kv_dtype=args.kv_dtype, weight_dtype=args.weight_dtype,
-                        engram_tables=args.engram_tables, batch_invariant=args.batch_invariant,
+                        cpu_matmul_precision=args.cpu_matmul_precision, engram_tables=args.engram_tables, batch_invariant=args.batch_invariant,
                         max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                         speculative_tokens=args.speculative_tokens,

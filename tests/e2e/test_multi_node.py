@@ -52,14 +52,19 @@ def _start_group(model_dir, *extra: str, dp: int = 2) -> tuple[Node, Server]:
     return node, head
 
 
+# Outputs compared across layouts: exact fp32 products (with bf16 operands, the default on an AMX
+# CPU, a row's rounding depends on the GEMM path its batch size picks; kernels/cpu_precision.py).
+EXACT = ("--cpu-matmul-precision", "fp32")
+
+
 def test_two_nodes_serve_what_one_process_serves_and_stop_together(model_dir):
     """--data-parallel-size 4 --data-parallel-size-local 2 on the head, start rank 2 on the other."""
-    reference = Server(model_dir)
+    reference = Server(model_dir, *EXACT)
     try:
         expected = _completions(reference.url)
     finally:
         assert reference.stop() == 0
-    node, head = _start_group(model_dir, dp=4)  # ranks 0-1 on the head, 2-3 on the headless node
+    node, head = _start_group(model_dir, *EXACT, dp=4)  # ranks 0-1 on the head, 2-3 on the headless node
     try:
         node_workers = workers(node.proc.pid)
         assert len(workers(head.proc.pid)) == 2 and len(node_workers) == 2

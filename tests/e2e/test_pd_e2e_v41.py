@@ -16,7 +16,9 @@ pytest.importorskip("nixl_cu12", reason="nixl-cu12 is not installed: PD disaggre
 from server_process import API_KEY  # noqa: E402
 from test_pd import UCX_ENV, _holds_nothing, _post, _settles, pd_servers  # noqa: E402
 
-COMMON = ("--max-num-seqs", "2", "--kv-transfer-timeout", "10", "--kv-connect-timeout", "5")
+# exact fp32 products: outputs are compared across servers (kernels/cpu_precision.py)
+COMMON = ("--max-num-seqs", "2", "--kv-transfer-timeout", "10", "--kv-connect-timeout", "5",
+          "--cpu-matmul-precision", "fp32")
 
 
 @pytest.fixture(scope="module")

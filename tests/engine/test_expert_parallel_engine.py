@@ -33,7 +33,9 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 
 def _config(**kw) -> EngineConfig:
-    return EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, kv_cache_memory_bytes=8 << 20, block_size=16, **kw)
+    # exact fp32 products: outputs are compared across rank layouts (kernels/cpu_precision.py)
+    return EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, kv_cache_memory_bytes=8 << 20, block_size=16,
+                        cpu_matmul_precision="fp32", **kw)
 
 
 def _run(model_dir, parallel: ParallelConfig, prompts, config=None, between=None) -> tuple[list[list[int]], list]:

@@ -11,8 +11,9 @@ import json
 from ipc.messages import SamplingParams
 from server.llm import LLM
 
+# exact fp32 products in the workers: compared with golden tokens (kernels/cpu_precision.py)
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=512, kv_cache_memory_bytes=64 * 2**20, block_size=16,
-              max_model_len=512)
+              max_model_len=512, cpu_matmul_precision="fp32")
 
 
 def test_llm_dp2_with_dspark_gives_the_golden_tokens(golden_root):

@@ -1,0 +1,109 @@
+"""--cpu-matmul-precision: what `auto` resolves to; that bf16 reaches the tiled FP8 GEMM as bf16
+operands with fp32 accumulation (checked against a float64 product of bf16-rounded activations
+and the exactly decoded weight) for products past BF16_MIN_MACS only, while fp32 stays fp32; and
+that a whole prefill under bf16 stays within bf16's rounding of the exact logits."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import kernels
+from kernels import cpu_precision
+from engine.config import ConfigError, EngineConfig
+from engine.weights import dequantize_fp8
+from kernels import cpu_quant_gemm
+from server.cli import build_parser, engine_config_from
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
+from _quant_inputs import activations, fp8_weight  # noqa: E402
+
+
+@pytest.mark.parametrize("precision, dtype, flags, expected", [
+    ("auto", "auto", {"avx512f", "amx_bf16", "amx_tile"}, "bf16"),
+    ("auto", "auto", {"avx512f", "avx512_bf16"}, "fp32"),      # AVX512-BF16 without AMX: unmeasured
+    ("auto", "auto", {"avx2"}, "fp32"),
+    ("auto", "fp32", {"amx_bf16"}, "fp32"),                    # an explicit --dtype fp32 stays exact
+    ("auto", "bf16", {"amx_bf16"}, "fp32"),
+    ("bf16", "fp32", {"avx2"}, "bf16"),                        # asked for: taken as asked
+    ("fp32", "auto", {"amx_bf16"}, "fp32"),
+])
+def test_resolve(precision, dtype, flags, expected):
+    assert cpu_precision.resolve(precision, dtype, flags) == expected
+
+
+def test_bad_values_are_refused():
+    with pytest.raises(ValueError, match="cpu matmul precision"):
+        cpu_precision.resolve("tf32")
+    with pytest.raises(ConfigError, match="--cpu-matmul-precision"):
+        EngineConfig(cpu_matmul_precision="tf32")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--prompt", "x", "--cpu-matmul-precision", "tf32"])
+
+
+def test_the_flag_reaches_the_worker_config():
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--cpu-matmul-precision", "bf16"])
+    config = engine_config_from(args)
+    assert EngineConfig.from_json(config.to_json()).cpu_matmul_precision == "bf16"
+    assert engine_config_from(build_parser().parse_args(["generate", "--prompt", "x"])).cpu_matmul_precision == "auto"
+
+
+def test_only_large_products_take_bf16_operands_and_the_setting_is_restored():
+    big, small = cpu_precision.BF16_MIN_MACS, cpu_precision.BF16_MIN_MACS - 1
+    assert not cpu_precision.bf16_allowed()                          # a test process: exact by default
+    with cpu_precision.matmul_precision("bf16") as resolved:
+        assert resolved == "bf16" and cpu_precision.bf16_allowed()
+        with cpu_precision.bf16_operands(big):
+            assert torch.get_float32_matmul_precision() == "medium"
+        assert torch.get_float32_matmul_precision() == "highest"
+        with cpu_precision.bf16_operands(small):
+            assert torch.get_float32_matmul_precision() == "highest"
+    assert not cpu_precision.bf16_allowed()
+    with cpu_precision.bf16_operands(big):
+        assert torch.get_float32_matmul_precision() == "highest"
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_tiled_fp8_gemm_under_each_precision(precision, monkeypatch):
+    monkeypatch.setattr(cpu_quant_gemm, "GEMV_MAX_ROWS", 0)          # the tiled path (tile decode + mm)
+    g = torch.Generator().manual_seed(3)
+    weight, scale = fp8_weight((512, 256), (128, 128), g)
+    x = activations(96, 256, g)                                     # 96·256·512 = 12.6 M multiply-adds
+    w = dequantize_fp8(weight, scale).double()                      # exact: e4m3 times a power of two
+    with cpu_precision.matmul_precision(precision):
+        out = kernels.fp8_linear(x, weight, scale).double()        # [96, 512]
+    magnitude = x.double().abs() @ w.abs().T                        # the scale of each sum's rounding
+    exact = x.double() @ w.T
+    bf16_operands = x.bfloat16().double() @ w.T                     # w is exact in bf16 as well
+    fp32_bound = 2 * 256 * 2.0**-24 * magnitude + 1e-30
+    if precision == "fp32" or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        assert bool(((out - exact).abs() <= fp32_bound).all())
+    else:
+        assert bool(((out - bf16_operands).abs() <= fp32_bound).all())
+        assert float(((out - exact).abs() / magnitude).max()) > 1e-4  # bf16 rounding, not fp32's
+
+
+def _prefill_logits(model, tokens: list[int]) -> torch.Tensor:
+    from engine.attention_backend import SequenceStep, StepSeq
+
+    step = SequenceStep([StepSeq(model.new_state(), 0, tokens)], model.device)
+    with torch.inference_mode():
+        return model.logits(model(step.token_ids, step.positions, step))    # [T, vocab] fp32
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="this CPU has no bf16 matmuls")
+def test_a_prefill_with_bf16_operands_stays_near_the_exact_logits(checkpoint_factory, monkeypatch):
+    from engine.weights import load_model
+
+    path = checkpoint_factory("tiny-fp8-fp4", dtype=torch.bfloat16, quantize="fp8-fp4", index_topk=64)
+    model = load_model(path, dtype=torch.float32, progress=False)
+    tokens = torch.randint(3, model.cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    exact = _prefill_logits(model, tokens)
+    monkeypatch.setattr(cpu_precision, "BF16_MIN_MACS", 0)           # the tiny model's products are small
+    with cpu_precision.matmul_precision("bf16"):
+        fast = _prefill_logits(model, tokens)
+    err = float((fast - exact).abs().max() / exact.abs().max())
+    assert 1e-5 < err < 3e-2, err                                   # bf16's rounding: present, and bounded
