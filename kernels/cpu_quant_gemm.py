@@ -185,6 +185,33 @@ def _scale_activations(a, srow, block_k, dst):
 
 
 @njit(cache=True, error_model="numpy", fastmath=_DOT_MATH)
+def _fp8_dot_one_row(codes, r0, r1, scaled, out):
+    """out[0, r] = e4m3 row codes[r] · scaled[0] for r in [r0, r1): one activation row (a batch-1
+    decode step). Four weight rows per pass share each activation load and keep four weight
+    streams in flight. On weights read from L3 or memory, as in a decode step, that was 1.3-1.5x
+    faster than one row per pass (a Xeon, cycling through 24 distinct 8192x256 weights: 0.58 ->
+    0.40 ms a call). Each row's sum keeps the one-row loop's vector order (tested)."""
+    k = scaled.shape[1]
+    r = r0
+    while r + 3 < r1:
+        acc0, acc1, acc2, acc3 = F32(0), F32(0), F32(0), F32(0)
+        for j in range(k):
+            x = scaled[0, j]
+            acc0 += half_value(e4m3_half_bits(codes[r, j])) * x
+            acc1 += half_value(e4m3_half_bits(codes[r + 1, j])) * x
+            acc2 += half_value(e4m3_half_bits(codes[r + 2, j])) * x
+            acc3 += half_value(e4m3_half_bits(codes[r + 3, j])) * x
+        out[0, r], out[0, r + 1], out[0, r + 2], out[0, r + 3] = acc0, acc1, acc2, acc3
+        r += 4
+    while r < r1:
+        acc = F32(0)
+        for j in range(k):
+            acc += half_value(e4m3_half_bits(codes[r, j])) * scaled[0, j]
+        out[0, r] = acc
+        r += 1
+
+
+@njit(cache=True, error_model="numpy", fastmath=_DOT_MATH)
 def _fp8_dot_rows(codes, r0, r1, scaled, out):
     """out[i, r] = e4m3 row codes[r] · scaled[i] for r in [r0, r1) (rows sharing one scale block
     row) and every activation row i scaled by `_scale_activations`. Each code is decoded inside
@@ -195,6 +222,9 @@ def _fp8_dot_rows(codes, r0, r1, scaled, out):
     block: a call per weight row cost ~40 ns of slicing and call overhead, a third of a K = 256
     row."""
     m, k = scaled.shape
+    if m == 1:
+        _fp8_dot_one_row(codes, r0, r1, scaled, out)
+        return
     for r in range(r0, r1):
         for i in range(0, m - 3, 4):
             acc0, acc1, acc2, acc3 = F32(0), F32(0), F32(0), F32(0)
