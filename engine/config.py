@@ -452,6 +452,8 @@ class EngineConfig:
             (self.weight_dtype in WEIGHT_DTYPES, "weight_dtype", f"must be one of {', '.join(WEIGHT_DTYPES)}"),
             (self.cpu_matmul_precision in CPU_MATMUL_PRECISIONS, "cpu_matmul_precision",
              f"must be one of {', '.join(CPU_MATMUL_PRECISIONS)}"),
+            (not (self.batch_invariant and self.cpu_matmul_precision == "bf16"), "cpu_matmul_precision",
+             "must be auto or fp32 with --batch-invariant (with bf16 a product's path depends on the step's row count)"),
             (self.engram_tables in ENGRAM_TABLES, "engram_tables", f"must be one of {', '.join(ENGRAM_TABLES)}"),
             (all(s >= 1 for s in self.cuda_graph_sizes), "cuda_graph_sizes", "must be positive batch sizes"),
             (self.max_num_seqs is None or self.max_num_seqs >= 1, "max_num_seqs", "must be ≥ 1"),

@@ -87,11 +87,11 @@ def worker_main(args, device: str = "cpu") -> None:
     try:
         config = EngineConfig.from_json(args.engine_config)
         parallel = ParallelConfig.from_json(args.parallel_config)
-        if device == "cpu":
-            cpu_precision.apply(config.cpu_matmul_precision, config.dtype)
         if parallel.grouped:
             group = join_group(rank, parallel, args.master_port, args.generation)
         model, ep = _load(args.model_dir, config, parallel, device, group)
+        if device == "cpu":  # before the engine's warm-up steps
+            cpu_precision.apply(config.cpu_matmul_precision, config.dtype, reference_numerics=model.cfg.arch == "v41")
         engine = Engine(model, config)
         attach_connector(engine, rank)  # [kv-connector] --kv-transfer: NIXL agent, pools registered
         worker = Worker(engine, outbox.send, Lockstep(group, ep, parallel) if group is not None else None)

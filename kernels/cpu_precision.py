@@ -16,8 +16,11 @@ sites ask `bf16_operands(m * k * n)`.
   fp32   exact fp32 products (what the parity tests compare against transformers)
   bf16   bf16 operands, fp32 accumulation, for products of BF16_MIN_MACS or more
   auto   bf16 on CPUs with AMX (where it was measured to pay) when the compute dtype is left at
-         auto; fp32 when `--dtype fp32` was asked for (exact fp32 stays exact), and on CPUs
-         without AMX (oneDNN's AVX512-BF16 path is unmeasured here; AVX2 has no bf16 arithmetic).
+         auto; fp32 when `--dtype fp32` was asked for (exact fp32 stays exact), for DeepSeek-V4.1
+         (whose numerics follow DeepSeek's reference GEMM by GEMM, engine/v41/numerics.py), and
+         on CPUs without AMX (oneDNN's AVX512-BF16 path is unmeasured here; AVX2 has no bf16
+         arithmetic). `--batch-invariant` refuses bf16: which path a product takes depends on
+         the step's row count.
 
 Per process: a worker calls `apply` once, for the CPU only (on a GPU the compute dtype is bf16
 already, and its remaining fp32 matmuls, router and mHC, keep full precision). Outside a
@@ -52,21 +55,21 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-def resolve(precision: str, dtype: str = "auto", flags: set[str] | None = None) -> str:
-    """'auto' -> 'bf16' on an AMX CPU with the compute dtype left at auto, else 'fp32';
-    'fp32' and 'bf16' stay as they are. dtype: the engine's `dtype` setting."""
+def resolve(precision: str, dtype: str = "auto", flags: set[str] | None = None, reference_numerics: bool = False) -> str:
+    """'auto' -> 'bf16' on an AMX CPU with the compute dtype left at auto and a model without
+    reference numerics (V4.1), else 'fp32'; 'fp32' and 'bf16' stay as they are."""
     if precision not in PRECISIONS:
         raise ValueError(f"cpu matmul precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     if precision != "auto":
         return precision
     amx = "amx_bf16" in (cpu_flags() if flags is None else flags)
-    return "bf16" if amx and dtype == "auto" else "fp32"
+    return "bf16" if amx and dtype == "auto" and not reference_numerics else "fp32"
 
 
-def apply(precision: str, dtype: str = "auto") -> str:
+def apply(precision: str, dtype: str = "auto", reference_numerics: bool = False) -> str:
     """Allow (or not) bf16 operands for this process's large fp32 matmuls; returns the resolution."""
     global _bf16_allowed
-    resolved = resolve(precision, dtype)
+    resolved = resolve(precision, dtype, reference_numerics=reference_numerics)
     _bf16_allowed = resolved == "bf16"
     return resolved
 

@@ -74,7 +74,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-matmul-precision", choices=["auto", "fp32", "bf16"], default="auto",
                    help="fp32 matmuls on CPU: exact (fp32), or bf16 operands with fp32 accumulation, TF32's "
                         "role on GPUs (bf16: 3-3.5x on prefill GEMMs with AMX); auto: bf16 on CPUs with AMX unless "
-                        "--dtype fp32 was given")
+                        "--dtype fp32 was given or the model is DeepSeek-V4.1")
     p.add_argument("--engram-tables", choices=["device", "host"], default="device",
                    help="DeepSeek-V4.1's Engram n-gram tables: on the device, or in host memory (looked up "
                         "there; a step copies only the rows it reads: what lets the released V4.1-Flash fit "

@@ -22,17 +22,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
 from _quant_inputs import activations, fp8_weight  # noqa: E402
 
 
-@pytest.mark.parametrize("precision, dtype, flags, expected", [
-    ("auto", "auto", {"avx512f", "amx_bf16", "amx_tile"}, "bf16"),
-    ("auto", "auto", {"avx512f", "avx512_bf16"}, "fp32"),      # AVX512-BF16 without AMX: unmeasured
-    ("auto", "auto", {"avx2"}, "fp32"),
-    ("auto", "fp32", {"amx_bf16"}, "fp32"),                    # an explicit --dtype fp32 stays exact
-    ("auto", "bf16", {"amx_bf16"}, "fp32"),
-    ("bf16", "fp32", {"avx2"}, "bf16"),                        # asked for: taken as asked
-    ("fp32", "auto", {"amx_bf16"}, "fp32"),
+@pytest.mark.parametrize("precision, dtype, flags, reference, expected", [
+    ("auto", "auto", {"avx512f", "amx_bf16", "amx_tile"}, False, "bf16"),
+    ("auto", "auto", {"avx512f", "amx_bf16", "amx_tile"}, True, "fp32"),  # V4.1: the reference's GEMMs
+    ("auto", "auto", {"avx512f", "avx512_bf16"}, False, "fp32"),  # AVX512-BF16 without AMX: unmeasured
+    ("auto", "auto", {"avx2"}, False, "fp32"),
+    ("auto", "fp32", {"amx_bf16"}, False, "fp32"),                 # an explicit --dtype fp32 stays exact
+    ("auto", "bf16", {"amx_bf16"}, False, "fp32"),
+    ("bf16", "fp32", {"avx2"}, True, "bf16"),                      # asked for: taken as asked
+    ("fp32", "auto", {"amx_bf16"}, False, "fp32"),
 ])
-def test_resolve(precision, dtype, flags, expected):
-    assert cpu_precision.resolve(precision, dtype, flags) == expected
+def test_resolve(precision, dtype, flags, reference, expected):
+    assert cpu_precision.resolve(precision, dtype, flags, reference_numerics=reference) == expected
 
 
 def test_bad_values_are_refused():
@@ -40,6 +41,9 @@ def test_bad_values_are_refused():
         cpu_precision.resolve("tf32")
     with pytest.raises(ConfigError, match="--cpu-matmul-precision"):
         EngineConfig(cpu_matmul_precision="tf32")
+    with pytest.raises(ConfigError, match="--batch-invariant"):
+        EngineConfig(cpu_matmul_precision="bf16", batch_invariant=True)
+    EngineConfig(cpu_matmul_precision="auto", batch_invariant=True)  # auto resolves to fp32 for V4.1
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "--prompt", "x", "--cpu-matmul-precision", "tf32"])
 
