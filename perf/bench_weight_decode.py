@@ -11,8 +11,10 @@ fp32 decides its speed:
          scales instead (`_scale_activations`, once per block row of 128 weight rows); then the dot
   select as fused, with the previous half-bits decode (the fields masked and shifted apart, the
          NaN codes picked by a compare and select): eight vector ops per 8 codes instead of five
-  fused  the current kernel: the half decode inside the dot product (`_fp8_dot_rows`), no row
-         buffer: the decoded weights never leave registers
+  row1   the half decode inside the dot product, no row buffer (the decoded weights never
+         leave registers), one weight row per pass: the previous fused kernel
+  fused  the current kernel (`_fp8_dot_rows`): as row1, with four weight rows per pass sharing
+         each activation load (`_fp8_dot_one_row`, the batch-1 path)
 For packed MXFP4 (e2m1 pairs, a ue8m0 scale per row and 32 elements) both variants look each
 byte's two values up in a 256-entry pair table, then
   expand  expand the row's scales into a [K] buffer and multiply, calls per row (an older kernel)
@@ -20,13 +22,17 @@ byte's two values up in a 256-entry pair table, then
           group, a loop of literal length 32, with every row's loops inside one call
 Interleaved, medians of --repeats; outputs compared bit for bit. Cycles per weight element
 are at the clock given by --ghz (the CPU model is printed: read them as ratios across machines).
+--cold N gives every call the next of N copies of the weight (same values, own memory), so it
+comes from L3 or memory as in a decode step, which reads each weight once (the default: the
+same weight every call, warm in L2 when it fits).
 
-    python perf/bench_weight_decode.py [--shapes 4096x2048 8192x256] [--repeats 9] [--ghz 2.0]
+    python perf/bench_weight_decode.py [--shapes 4096x2048 8192x256] [--repeats 9] [--ghz 2.0] [--cold 24]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import time
@@ -122,6 +128,18 @@ def _gemv_select(codes, scale, a, out):
         out[0, r] = acc
 
 
+@njit(cache=True, error_model="numpy", fastmath={"reassoc", "contract"})
+def _gemv_row1(codes, scale, a, out):
+    scaled = np.empty(a.shape, np.float32)
+    for r in range(codes.shape[0]):
+        if r % BLOCK == 0:
+            _scale_activations(a, scale[r // BLOCK], BLOCK, scaled)
+        acc = F32(0)
+        for j in range(codes.shape[1]):
+            acc += half_value(e4m3_half_bits(codes[r, j])) * scaled[0, j]
+        out[0, r] = acc
+
+
 @njit(cache=True, error_model="numpy")
 def _gemv_fused(codes, scale, a, out):
     scaled = np.empty(a.shape, np.float32)
@@ -166,14 +184,16 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=["4096x2048", "8192x256", "2048x5120"])
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--ghz", type=float, default=2.0)
+    parser.add_argument("--cold", type=int, default=1, metavar="N", help="cycle through N copies of each weight")
     args = parser.parse_args()
     print(header("bench_weight_decode"), flush=True)
     set_cpu_threads(1)
     g = torch.Generator().manual_seed(0)
-    print(f"# one thread; medians of {args.repeats} interleaved rounds; cycles at {args.ghz} GHz")
-    names = ("table", "arith", "half", "select", "fused")
+    print(f"# one thread; medians of {args.repeats} interleaved rounds; cycles at {args.ghz} GHz; "
+          f"{args.cold} cop{'y' if args.cold == 1 else 'ies'} of each weight")
+    names = ("table", "arith", "half", "select", "row1", "fused")
     print(f"{'N x K':>11s} " + " ".join(f"{v + ' cyc/el':>13s}" for v in names) + " "
-          + " ".join(f"{v + '/fused':>12s}" for v in names[:4]) + "  outputs")
+          + " ".join(f"{v + '/fused':>12s}" for v in names[:-1]) + "  outputs")
     for shape in args.shapes:
         n, k = (int(x) for x in shape.split("x"))
         # weights like a trained checkpoint's: e4m3 codes of normal-ish values, per-block scales
@@ -183,16 +203,22 @@ def main() -> None:
         scale = (exps + 127).to(torch.uint8).numpy()           # ue8m0 bytes: 2^-12 .. 2^-5
         a = torch.randn(1, k, generator=g).numpy()
         outs = {v: np.empty((1, n), np.float32) for v in names}
-        runs = {"table": lambda o: _gemv_table(codes, scale, E4M3_TABLE, a, o),
-                "arith": lambda o: _gemv_arith(codes, scale, a, o),
-                "half": lambda o: _gemv_half(codes, scale, a, o),
-                "select": lambda o: _gemv_select(codes, scale, a, o),
-                "fused": lambda o: _gemv_fused(codes, scale, a, o)}
+        copies = [(codes.copy(), scale.copy()) for _ in range(args.cold)]
+        calls = itertools.count()
+
+        def weight():
+            return copies[next(calls) % len(copies)]
+        runs = {"table": lambda o: _gemv_table(*weight(), E4M3_TABLE, a, o),
+                "arith": lambda o: _gemv_arith(*weight(), a, o),
+                "half": lambda o: _gemv_half(*weight(), a, o),
+                "select": lambda o: _gemv_select(*weight(), a, o),
+                "row1": lambda o: _gemv_row1(*weight(), a, o),
+                "fused": lambda o: _gemv_fused(*weight(), a, o)}
         med = _time(runs, outs, args.repeats)
         same = all(np.array_equal(outs["table"], outs[v]) for v in names)
         cyc = {v: med[v] * args.ghz * 1e9 / (n * k) for v in med}
         print(f"{shape:>11s} " + " ".join(f"{cyc[v]:13.2f}" for v in names) + " "
-              + " ".join(f"{med[v] / med['fused']:11.2f}x" for v in names[:4])
+              + " ".join(f"{med[v] / med['fused']:11.2f}x" for v in names[:-1])
               + f"  {'identical' if same else 'DIFFER'}", flush=True)
     print("\n# MXFP4 (e2m1 pairs, a ue8m0 scale per row and 32 elements)")
     print(f"{'N x K':>11s} {'expand cyc/el':>14s} {'groups cyc/el':>14s} {'expand/groups':>14s}  outputs")
