@@ -117,26 +117,16 @@ def _half_bits_select(code):
 
 
 @njit(cache=True, error_model="numpy", fastmath={"reassoc", "contract"})
-def _gemv_select(codes, scale, a, out):
+def _gemv_row_by_row(half_bits, codes, scale, a, out):
+    """The half decode inside the dot product, one weight row per pass; half_bits: the jitted
+    e4m3 -> half-bits decode (select: the previous one, row1: the current one)."""
     scaled = np.empty(a.shape, np.float32)
     for r in range(codes.shape[0]):
         if r % BLOCK == 0:
             _scale_activations(a, scale[r // BLOCK], BLOCK, scaled)
         acc = F32(0)
         for j in range(codes.shape[1]):
-            acc += half_value(_half_bits_select(codes[r, j])) * scaled[0, j]
-        out[0, r] = acc
-
-
-@njit(cache=True, error_model="numpy", fastmath={"reassoc", "contract"})
-def _gemv_row1(codes, scale, a, out):
-    scaled = np.empty(a.shape, np.float32)
-    for r in range(codes.shape[0]):
-        if r % BLOCK == 0:
-            _scale_activations(a, scale[r // BLOCK], BLOCK, scaled)
-        acc = F32(0)
-        for j in range(codes.shape[1]):
-            acc += half_value(e4m3_half_bits(codes[r, j])) * scaled[0, j]
+            acc += half_value(half_bits(codes[r, j])) * scaled[0, j]
         out[0, r] = acc
 
 
@@ -211,8 +201,8 @@ def main() -> None:
         runs = {"table": lambda o: _gemv_table(*weight(), E4M3_TABLE, a, o),
                 "arith": lambda o: _gemv_arith(*weight(), a, o),
                 "half": lambda o: _gemv_half(*weight(), a, o),
-                "select": lambda o: _gemv_select(*weight(), a, o),
-                "row1": lambda o: _gemv_row1(*weight(), a, o),
+                "select": lambda o: _gemv_row_by_row(_half_bits_select, *weight(), a, o),
+                "row1": lambda o: _gemv_row_by_row(e4m3_half_bits, *weight(), a, o),
                 "fused": lambda o: _gemv_fused(*weight(), a, o)}
         med = _time(runs, outs, args.repeats)
         same = all(np.array_equal(outs["table"], outs[v]) for v in names)

@@ -13,7 +13,7 @@ import torch
 
 import kernels
 from kernels import cpu_precision
-from engine.config import ConfigError, EngineConfig
+from engine.config import CPU_MATMUL_PRECISIONS, ConfigError, EngineConfig
 from engine.weights import dequantize_fp8
 from kernels import cpu_quant_gemm
 from server.cli import build_parser, engine_config_from
@@ -37,6 +37,7 @@ def test_resolve(precision, dtype, flags, reference, expected):
 
 
 def test_bad_values_are_refused():
+    assert cpu_precision.PRECISIONS == CPU_MATMUL_PRECISIONS     # the config's list, kept torch-free there
     with pytest.raises(ValueError, match="cpu matmul precision"):
         cpu_precision.resolve("tf32")
     with pytest.raises(ConfigError, match="--cpu-matmul-precision"):
