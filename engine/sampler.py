@@ -15,19 +15,6 @@ import torch
 from ipc.messages import SamplingParams
 
 
-def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], history: list[list[int]]) -> torch.Tensor:
-    """Presence/frequency penalties over each row's previous output tokens (OpenAI semantics)."""
-    rows = [i for i, p in enumerate(params) if p.has_penalties and history[i]]
-    if not rows:
-        return logits
-    logits = logits.clone()
-    vocab = logits.shape[-1]
-    for i in rows:
-        counts = torch.bincount(torch.tensor(history[i], device=logits.device), minlength=vocab)[:vocab].float()
-        logits[i] -= params[i].frequency_penalty * counts + params[i].presence_penalty * (counts > 0).float()
-    return logits
-
-
 def to_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """[R, V] fp32 logits → [R, V] sampling distributions (one-hot for greedy rows)."""
     probs = torch.empty_like(logits, dtype=torch.float32)
@@ -134,16 +121,17 @@ def _to_device(t: torch.Tensor, device) -> torch.Tensor:
 
 def probs_device(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
     """[R, V] logits → [R, V] sampling distributions (to_probs' maths with per-row tensors):
-    one-hot argmax for greedy rows; else penalties, softmax(l / T), then top-k/top-p/min-p."""
-    one_hot = torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    if rows.all_greedy:
-        return one_hot
+    penalties first (greedy rows too, as in vLLM), then one-hot argmax for greedy rows; else
+    softmax(l / T), then top-k/top-p/min-p."""
     if rows.penalties:  # rare: OpenAI presence/frequency penalties over each row's outputs
         logits = logits.clone()
     for i, p, hist in rows.penalties:
         counts = torch.bincount(_to_device(torch.tensor(hist), logits.device), minlength=logits.shape[-1])
         counts = counts[: logits.shape[-1]].float()
         logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+    one_hot = torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    if rows.all_greedy:
+        return one_hot
     probs = torch.softmax(logits.float() / rows.temperature[:, None], dim=-1)
     if rows.any_shaping:
         probs = shape_rows(probs, rows.top_k, rows.top_p, rows.min_p)

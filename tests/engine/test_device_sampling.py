@@ -103,6 +103,23 @@ def test_per_row_distributions_equal_to_probs():
     torch.testing.assert_close(probs_device(logits, rows), to_probs(logits, params), atol=1e-6, rtol=1e-5)
 
 
+def test_penalties_shape_greedy_rows_too():
+    """OpenAI presence/frequency penalties apply before the argmax of a greedy row (as in vLLM):
+    the one-hot sits on the argmax of the penalized logits, computed here by hand."""
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(8))
+    history = [[int(logits[0].argmax())] * 2, [int(logits[1].argmax()), 5], []]
+    params = [SamplingParams(presence_penalty=1.5, frequency_penalty=2.0), SamplingParams(presence_penalty=-2.0),
+              SamplingParams(presence_penalty=2.0)]
+    probs = probs_device(logits, SamplingRows(params, [0] * 3, [0] * 3, "cpu", history))
+    want = logits.clone()
+    for i, (p, hist) in enumerate(zip(params, history)):
+        counts = torch.bincount(torch.tensor(hist, dtype=torch.long), minlength=40).float()
+        want[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+    assert probs.argmax(-1).tolist() == want.argmax(-1).tolist()
+    assert int(probs[0].argmax()) != int(logits[0].argmax())  # the penalty moved the choice
+    assert torch.equal(probs.sum(-1), torch.ones(3)) and int((probs > 0).sum()) == 3  # one-hot rows
+
+
 # ---- host syncs per step -----------------------------------------------------------------------------
 
 # The Tensor calls that wait for the device on CUDA. numpy() is not among them: on a CUDA tensor
