@@ -22,16 +22,22 @@ class ScheduledRequest:
     # Whether this step computes every known (and draft) token, so a new token is sampled.
     # Fixed when scheduled: the update appends tokens afterwards.
     reaches_end: bool
+    # Async scheduling: 1 when the last position's token is the one the step in flight samples
+    # (not on the host yet; the runner takes it from that step's device result), else 0.
+    num_placeholder: int = 0
 
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
 
     def token_ids(self) -> list[int]:
-        """Token ids at positions [start, end): known tokens, then the trailing drafts."""
+        """Token ids at positions [start, end): known tokens, then the trailing drafts (or a 0
+        standing for the placeholder)."""
         req = self.request
         known = len(req.token_ids)
         tokens = req.token_ids[self.start : self.end]
+        if self.num_placeholder:
+            return tokens + [0] * (self.num_tokens - len(tokens))
         if self.end > known:  # verification
             tokens = tokens + req.draft_token_ids[max(0, self.start - known) : self.end - known]
         return tokens

@@ -431,6 +431,11 @@ class EngineConfig:
     enforce_eager: bool = False  # never capture CUDA graphs (a static path, if on, runs uncaptured)
     # Verify only as many of the k drafts as pay for themselves (engine/spec_control.py).
     adaptive_speculation: bool = True
+    # vLLM's async scheduling: step t + 1 is scheduled and launched before step t is read back,
+    # so the host's update/schedule work overlaps the device's step (engine/engine.py
+    # `_step_ahead`). Off where a step's inputs need its predecessor's results on the host:
+    # speculation, PD roles, expert-parallel lockstep.
+    async_scheduling: bool = False
     seed: int = 0
     # --- PD disaggregation (engine/kv_connector.py): this engine's KV role and transport ---
     kv_transfer: KVTransferConfig | None = None

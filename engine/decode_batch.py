@@ -35,7 +35,9 @@ _FIELDS = ("token_ids", "positions", "start", "full_table", "sliding_table", "sl
 @dataclass
 class DecodeBatch:
     """Every field is a view of one int64 device buffer (`_device`), filled from a host mirror
-    (`_host`, pinned on CUDA) by a single copy per step; on CPU the mirror is the buffer."""
+    by a single copy per step. On CUDA two pinned mirrors take turns, so a fill never rewrites
+    memory whose copy the device may not have run yet (with async scheduling the next step is
+    filled while the previous one is still on the device); on CPU the mirror is the buffer."""
 
     cache: KVCache
     tokens_per_seq: int  # q
@@ -46,14 +48,15 @@ class DecodeBatch:
     sliding_table: torch.Tensor  # [B, S] int64
     sliding_first: torch.Tensor  # [B] int64
     _device: torch.Tensor
-    _host: torch.Tensor
-    _host_parts: dict[str, np.ndarray] = field(init=False)  # numpy views of the mirror, per field
+    _hosts: tuple[torch.Tensor, ...]  # the mirrors (one on CPU: the buffer itself)
+    _host_parts: list[dict[str, np.ndarray]] = field(init=False)  # numpy views of each mirror, per field
+    _turn: int = field(init=False, default=0)  # the mirror the next fill writes
 
     def __post_init__(self) -> None:
-        host = self._host.numpy()
         sizes = [getattr(self, name).numel() for name in _FIELDS]
-        self._host_parts = {name: part.reshape(getattr(self, name).shape)
-                            for name, part in zip(_FIELDS, np.split(host, np.cumsum(sizes)[:-1]))}
+        self._host_parts = [{name: part.reshape(getattr(self, name).shape)
+                             for name, part in zip(_FIELDS, np.split(host.numpy(), np.cumsum(sizes)[:-1]))}
+                            for host in self._hosts]
 
     @classmethod
     def allocate(cls, cache: KVCache, num_seqs: int, tokens_per_seq: int, full_blocks: int,
@@ -64,9 +67,10 @@ class DecodeBatch:
         sizes = [math.prod(shape) for shape in shapes]
         device = torch.zeros(sum(sizes), dtype=torch.long, device=cache.device)
         on_cuda = device.device.type == "cuda"
-        host = torch.zeros(sum(sizes), dtype=torch.long, pin_memory=True) if on_cuda else device
+        hosts = tuple(torch.zeros(sum(sizes), dtype=torch.long, pin_memory=True) for _ in range(2)) if on_cuda \
+            else (device,)
         views = [part.view(shape) for part, shape in zip(device.split(sizes), shapes)]
-        return cls(cache, tokens_per_seq, *views, _device=device, _host=host)
+        return cls(cache, tokens_per_seq, *views, _device=device, _hosts=hosts)
 
     @property
     def num_seqs(self) -> int:
@@ -103,13 +107,16 @@ class DecodeBatch:
         """Copy a live batch into the buffers; rows past len(rows) become padding.
 
         rows: per sequence (token ids [q], start, full block ids ≤ F, sliding block ids ≤ S,
-        sliding_first). Written into the host mirror as numpy arrays, then one copy. The caller
-        must not fill again before the step that reads this copy has finished (every step ends
-        by reading its sampled tokens back, which waits for it).
+        sliding_first). Written into a host mirror as numpy arrays, then one copy. A mirror is
+        rewritten two fills later, after the step of the fill between them was launched, so at
+        most one step may be in flight when filling (async scheduling waits for step t before
+        filling step t + 2).
         """
         q, n = self.tokens_per_seq, len(rows)
-        parts = self._host_parts
-        self._host.zero_()
+        host = self._hosts[self._turn]
+        parts = self._host_parts[self._turn]
+        self._turn = (self._turn + 1) % len(self._hosts)
+        host.zero_()
         tokens, start, first = parts["token_ids"], parts["start"], parts["sliding_first"]
         full, sliding = parts["full_table"], parts["sliding_table"]
         tokens[: n * q] = [t for r in rows for t in r[0]]
@@ -119,5 +126,5 @@ class DecodeBatch:
             full[i, : len(full_ids)] = full_ids
             sliding[i, : len(sliding_ids)] = sliding_ids
         parts["positions"][:] = (start[:, None] + np.arange(q)).reshape(-1)  # padding rows: 0..q-1
-        if self._host is not self._device:
-            self._device.copy_(self._host, non_blocking=True)
+        if host is not self._device:
+            self._device.copy_(host, non_blocking=True)

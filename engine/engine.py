@@ -22,7 +22,7 @@ from .config import ConfigError, EngineConfig
 from .cuda_graphs import StaticDecodeBackend
 from .kv_cache import KVCache
 from .model import DeepseekV4
-from .model_runner import ModelRunner
+from .model_runner import LaunchedStep, ModelRunner
 from .prefix_cache import PrefixCache, snapshot_slots
 from .request import Request, RequestError
 from .scheduler import Scheduler, SchedulerConfig
@@ -95,6 +95,8 @@ class Engine:
         self.spec_control = SpeculationControl(k) if k and config.adaptive_speculation else None
         self.stats = EngineStats(spec_accepted_per_position=[0] * k)
         self.connector = None  # [kv-connector] PD disaggregation: engine.kv_connector.attach_connector sets it
+        self.async_scheduling = _async_scheduling(config, k, v41)
+        self._in_flight: tuple[Batch, LaunchedStep, float] | None = None  # async scheduling: step t
 
     @property
     def max_model_len(self) -> int:
@@ -124,10 +126,12 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._in_flight is not None
 
     def step(self) -> StepOutputs:
         """One schedule → execute → update round; empty outputs when there is nothing to run."""
+        if self.async_scheduling and self.connector is None:
+            return self._step_ahead()
         t0 = time.perf_counter()
         loaded = self.kv_tick()  # [kv-connector]
         batch = self.scheduler.schedule()
@@ -135,6 +139,23 @@ class Engine:
             return loaded or StepOutputs([], [])
         out = self.run(batch, self.draft_wish(batch), t0=t0)
         return StepOutputs(loaded.deltas + out.deltas, loaded.finished + out.finished) if loaded else out
+
+    def _step_ahead(self) -> StepOutputs:
+        """Async scheduling: schedule and launch step t + 1 while step t is in flight (its
+        sampled tokens are placeholders on the host, read by t + 1 on the device), then wait for
+        step t and fold it into the requests. On a GPU the host's read, update and scheduling then
+        overlap the device's next step; on a CPU the launch runs the step, so nothing overlaps,
+        but the tokens are the same as without it. Returns step t's outputs."""
+        t0 = time.perf_counter()
+        prev, self._in_flight = self._in_flight, None
+        batch = self.scheduler.schedule(ahead=prev[0] if prev is not None else None)
+        if batch:
+            launched = self.runner.launch(batch, 0, ahead=prev[1] if prev is not None else None)
+            self._in_flight = (batch, launched, t0)
+        if prev is None:
+            return StepOutputs([], [])
+        prev_batch, prev_launched, prev_t0 = prev
+        return self._complete(prev_batch, self.runner.finish(prev_launched), prev_t0)
 
     def kv_tick(self) -> StepOutputs | None:
         """[kv-connector] Advance KV transfers: the first tokens and failures of remote-prefilled
@@ -152,10 +173,14 @@ class Engine:
         """Execute a scheduled batch and fold its results into the requests. Under lockstep an
         empty batch is a dummy step (zero tokens through every collective of a real one)."""
         t0 = time.perf_counter() if t0 is None else t0
-        control = self.spec_control
         step = self.runner.execute(batch, num_drafts, allow_static=allow_static, lockstep=lockstep)
         if not batch:
             return StepOutputs([], [])
+        return self._complete(batch, step, t0)
+
+    def _complete(self, batch: Batch, step: StepOutput, t0: float) -> StepOutputs:
+        """Fold a step's results into its requests: their token deltas and finishes."""
+        control = self.spec_control
         if self.connector is not None:  # [kv-connector] hold remote-decode blocks before update frees them
             self.connector.before_update(batch, step)
         deltas, finished = self.scheduler.update(batch, step)
@@ -214,6 +239,20 @@ def default_dtype(config: EngineConfig, device: str) -> torch.dtype:
     if config.dtype == "auto":
         return torch.bfloat16 if device.startswith("cuda") else torch.float32
     return {"bf16": torch.bfloat16, "fp32": torch.float32}[config.dtype]
+
+
+def _async_scheduling(config: EngineConfig, num_drafts: int, v41: bool) -> bool:
+    """--async-scheduling, where a step's inputs never need its predecessor's results on the
+    host. Not with speculation (drafts are proposed from accepted tokens) nor for V4.1 (its
+    runner takes no device-side tokens yet): there it is turned off, said once. PD roles and
+    expert-parallel lockstep run the synchronous step (see Engine.step, worker.py)."""
+    if not config.async_scheduling:
+        return False
+    why = "--speculative-tokens" if num_drafts else "DeepSeek-V4.1" if v41 else None
+    if why is not None:
+        logger.info("async scheduling is off: not supported with %s yet", why)
+        return False
+    return True
 
 
 def _without_unsupported_prefix_caching(config: EngineConfig) -> EngineConfig:

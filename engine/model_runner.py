@@ -26,7 +26,7 @@ from .cuda_graphs import StaticDecodeBackend
 from .kv_cache import KVCache
 from .model import DeepseekV4
 from .sampler import SamplingRows, logprobs_of, probs_device, ranks_of, sample_device
-from .step_sampling import DeviceSample, HostSample, StepSampler, _device_ints, read
+from .step_sampling import DeviceSample, HostSample, PendingRead, StepSampler, _device_ints, start_read
 
 
 @dataclass(slots=True)
@@ -44,6 +44,18 @@ class _Drafts:
     live: list[int]  # indices into pending
     tokens: torch.Tensor  # [R, num_drafts] int64
     probs: torch.Tensor | None  # [R, num_drafts, V] (None: every drafting request greedy)
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose work is issued: its results arrive on the host at `ModelRunner.finish`."""
+
+    batch: Batch
+    pending: list[_Pending]
+    sample: DeviceSample | None
+    drafts: _Drafts | None
+    host: PendingRead | HostSample | None  # the copy in flight (or, read mid-step, its result)
+    scores: dict[int, PromptScores]
 
 
 class ModelRunner:
@@ -77,13 +89,21 @@ class ModelRunner:
         return (self.static is not None and q is not None
                 and self.static.shape_for(len(batch.scheduled), q, max(s.end for s in batch.scheduled)) is not None)
 
-    @torch.inference_mode()
     def execute(self, batch: Batch, num_drafts: int | None = None, allow_static: bool = True,
                 lockstep: bool = False) -> StepOutput:
-        """Run the step. `num_drafts` (≤ k; default k) is how many drafts to propose for the next
-        step. Under `lockstep` (expert parallelism) every rank runs the same forwards, each with
-        however many rows it has, zero included: one target forward, then with speculation one
-        MTP catch-up forward and num_drafts − 1 draft forwards."""
+        """Run the step and read it back. `num_drafts` (≤ k; default k) is how many drafts to
+        propose for the next step. Under `lockstep` (expert parallelism) every rank runs the same
+        forwards, each with however many rows it has, zero included: one target forward, then
+        with speculation one MTP catch-up forward and num_drafts − 1 draft forwards."""
+        return self.finish(self.launch(batch, num_drafts, allow_static, lockstep))
+
+    @torch.inference_mode()
+    def launch(self, batch: Batch, num_drafts: int | None = None, allow_static: bool = True,
+               lockstep: bool = False, ahead: "LaunchedStep | None" = None) -> "LaunchedStep":
+        """Issue the step's work and the copy of its results to the host, without waiting for
+        them (`finish` waits). `ahead`: the launched step whose sampled tokens fill this batch's
+        placeholders (async scheduling; it ran without drafts, so each sampling request's new
+        token is column 0 of its emitted row)."""
         num_drafts = self.k if num_drafts is None else num_drafts
         rows = [StepSeq(s.request.seq, s.start, s.token_ids()) for s in batch.scheduled]
         pending, logit_rows, end = [], [], 0
@@ -96,20 +116,42 @@ class ModelRunner:
         n_sampled = len(logit_rows)
         scoring = self._prompt_rows(batch, logit_rows)  # appended after the sampled rows
         allow_static = allow_static and not scoring
-        streams, logits = self._prepare(rows, allow_static=allow_static).run(self.model, logit_rows)
+        step = self._prepare(rows, allow_static=allow_static)
+        if ahead is not None and any(s.num_placeholder for s in batch.scheduled):
+            step.set_token_ids(self._placeholder_tokens(batch, rows, ahead))
+        streams, logits = step.run(self.model, logit_rows)
         sample = self._sample(pending, logits[:n_sampled]) if pending else None
         drafts = early = None
         if self.k:
             drafts, early = self._run_mtp(batch, streams, pending, sample, num_drafts, lockstep)
         draft_tokens = drafts.tokens if drafts is not None else None
         if early is None:
-            host = self._read(sample, draft_tokens)
+            host = self._start_read(sample, draft_tokens)
         else:  # the acceptance counts were read mid-step (no static MTP shape): now the drafts
             host = early
             if draft_tokens is not None:
-                host.drafts = self._read(None, draft_tokens).drafts
+                host.drafts = self._start_read(None, draft_tokens).wait().drafts
+        # prompt scores read their logits now: static outputs are overwritten by the next launch
         scores = self._score_prompts(scoring, logits[n_sampled:]) if scoring else {}
-        return StepOutput(self._outputs(pending, host, drafts), scores)
+        return LaunchedStep(batch, pending, sample, drafts, host, scores)
+
+    def finish(self, launched: "LaunchedStep") -> StepOutput:
+        """Wait for a launched step's results (its one host sync) and turn them into outputs."""
+        host = launched.host.wait() if isinstance(launched.host, PendingRead) else launched.host
+        return StepOutput(self._outputs(launched.pending, host, launched.drafts), launched.scores)
+
+    def _placeholder_tokens(self, batch: Batch, rows: list[StepSeq], ahead: "LaunchedStep") -> torch.Tensor:
+        """The step's token ids [T] on the device: the rows' known tokens, and at each placeholder
+        the token `ahead` sampled for that request."""
+        assert ahead.sample is not None and ahead.sample.emitted.shape[1] == 1, "async steps carry no drafts"
+        sampled_at = {p.sched.request.request_id: i for i, p in enumerate(ahead.pending)}
+        known = [t for r in rows for t in r.token_ids]
+        source = []
+        for s in batch.scheduled:
+            source += [-1] * (s.num_tokens - s.num_placeholder)
+            if s.num_placeholder:
+                source.append(sampled_at[s.request.request_id])
+        return self._next_tokens(known, source, ahead.sample)
 
     # ---- prompt scoring (SamplingParams.prompt_logprobs) ---------------------------------------
     @staticmethod
@@ -150,10 +192,14 @@ class ModelRunner:
         return self.sampler.sample(pending, logits)
 
     def _read(self, sample: DeviceSample | None, drafts: torch.Tensor | None) -> HostSample | None:
+        pending = self._start_read(sample, drafts)
+        return pending.wait() if pending is not None else None
+
+    def _start_read(self, sample: DeviceSample | None, drafts: torch.Tensor | None) -> PendingRead | None:
         if sample is None and drafts is None:
             return None
         self.num_host_reads += 1
-        return read(sample, drafts)
+        return start_read(sample, drafts)
 
     def _outputs(self, pending: list[_Pending], host: HostSample | None,
                  drafts: _Drafts | None) -> dict[int, RequestStepOutput]:

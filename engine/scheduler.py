@@ -83,11 +83,17 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ---- scheduling ------------------------------------------------------------------------
-    def schedule(self) -> Batch:
+    def schedule(self, ahead: Batch | None = None) -> Batch:
+        """The next step. `ahead` (async scheduling): the step in flight, not yet updated. A
+        request in it continues from where that step ends; when that step samples its next
+        token, the new step computes that token's position with a placeholder for it. Under
+        `ahead` nothing is preempted: if blocks run out the batch is empty, and the engine
+        completes the step in flight before scheduling again."""
         batch = Batch()
         budget = self.config.max_num_batched_tokens
         allocate = self.cache.manager.allocate
         scheduled = batch.scheduled
+        in_flight = {s.request.request_id: s for s in ahead.scheduled} if ahead else None
         i = 0
         # The hot loop of steady decode (hundreds of requests per step): kept to plain arithmetic.
         while i < len(self.running) and budget > 0:
@@ -95,10 +101,21 @@ class Scheduler:
             known = len(req.token_ids)
             total = known + len(req.draft_token_ids)
             start = req.num_computed_tokens
+            placeholder = 0
+            if in_flight is not None and (prev := in_flight.get(req.request_id)) is not None:
+                if not _can_run_ahead(req, prev):
+                    i += 1
+                    continue
+                start, placeholder = prev.end, int(prev.reaches_end)
+                total += placeholder
             n = min(total - start, budget)
-            if not allocate(req.seq.table, start, start + n, True) and not self._preempt_until_fits(req, n, batch):
-                break  # req itself was preempted; everything after it was too
-            scheduled.append(ScheduledRequest(req, start, n, max(0, start + n - known), start + n == total))
+            if not allocate(req.seq.table, start, start + n, True):
+                if in_flight is not None:
+                    return Batch()
+                if not self._preempt_until_fits(req, n, batch):
+                    break  # req itself was preempted; everything after it was too
+            scheduled.append(ScheduledRequest(req, start, n, max(0, start + n - known - placeholder),
+                                              start + n == total, placeholder))
             budget -= n
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not batch.preempted:
@@ -239,6 +256,17 @@ class Scheduler:
             if self.prefix is not None:
                 self.prefix.release(req, failed)
             self.cache.free(req.seq)
+
+
+def _can_run_ahead(req: Request, prev: ScheduledRequest) -> bool:
+    """Whether `req` may be scheduled while its step `prev` is in flight. Not when that step
+    samples its last token (max_tokens: it ends there for sure), nor for what needs the sampled
+    token on the host before the next step: penalties (the next step's history), prompt scores
+    still to send, and drafts (async scheduling runs without speculation)."""
+    p = req.params
+    if prev.num_draft or req.draft_token_ids or (p.prompt_logprobs is not None and not req.prompt_scores_sent):
+        return False
+    return not prev.reaches_end or (not p.has_penalties and req.num_output_tokens + 1 < p.max_tokens)
 
 
 def _prompt_logprobs(req: Request) -> PromptLogprobs:

@@ -5,9 +5,9 @@ verification (1 + d rows) runs rejection sampling over its d drafts (engine/spec
 `verify_batch`). All of them go through one batched pass in fixed shapes [P, Q] (Q = 1 + the
 largest d, shorter requests padded): distributions (engine/sampler.py `probs_device`),
 counter-based noise keyed by (request seed, token position, purpose) (engine/counter_rng.py),
-logprobs when asked for. Nothing is read back until `read`, which copies the step's tokens,
-acceptance counts, finiteness flags, drafts and logprobs in one transfer: the step's single host
-sync.
+logprobs when asked for. Nothing is read back until `start_read` and `PendingRead.wait`,
+which copy the step's tokens, acceptance counts, finiteness flags, drafts and logprobs in one
+transfer: the step's single host sync.
 """
 
 from __future__ import annotations
@@ -132,8 +132,42 @@ def _device_ints(rows: list[list[int]], device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t
 
 
-def read(sample: DeviceSample | None, drafts: torch.Tensor | None) -> HostSample | None:
-    """Everything the host needs from the step, in one device → host copy (the step's sync)."""
+@dataclass
+class PendingRead:
+    """The step's results on their way to the host: one int64 blob (pinned host memory on CUDA,
+    copied without blocking and marked by `event`), and how to cut it."""
+
+    blob: torch.Tensor  # [N] int64, on the host
+    event: "torch.cuda.Event | None"
+    sizes: list[int]
+    emitted_shape: tuple | None
+    drafts_shape: tuple | None
+    logprob_shapes: tuple | None  # (chosen, top ids or None, top values or None)
+
+    def wait(self) -> HostSample:
+        """Block until the copy has landed (the step's one host sync) and split it."""
+        if self.event is not None:
+            self.event.synchronize()
+        parts = iter(np.split(self.blob.numpy(), np.cumsum(self.sizes)[:-1]))
+        emitted = accepted = finite = None
+        if self.emitted_shape is not None:
+            emitted = next(parts).reshape(self.emitted_shape)
+            accepted, finite = next(parts), next(parts).astype(bool)
+        drafts = next(parts).reshape(self.drafts_shape) if self.drafts_shape is not None else None
+        chosen = top_ids = top_values = None
+        if self.logprob_shapes is not None:
+            chosen_shape, ids_shape, values_shape = self.logprob_shapes
+            chosen = next(parts).view(np.float64).reshape(chosen_shape)
+            if ids_shape is not None:
+                top_ids = next(parts).reshape(ids_shape)
+                top_values = next(parts).view(np.float64).reshape(values_shape)
+        return HostSample(emitted, accepted, finite, drafts, chosen, top_ids, top_values)
+
+
+def start_read(sample: DeviceSample | None, drafts: torch.Tensor | None) -> PendingRead | None:
+    """Start copying everything the host needs from the step to the host, as one transfer. On
+    CUDA it goes to pinned memory without blocking, so the host can schedule and launch the next
+    step before `PendingRead.wait`."""
     if sample is None and drafts is None:
         return None
     ints = []
@@ -146,21 +180,18 @@ def read(sample: DeviceSample | None, drafts: torch.Tensor | None) -> HostSample
         ints.append(lp[0].double().flatten().view(torch.long))
         if lp[1] is not None:
             ints += [lp[1].flatten(), lp[2].double().flatten().view(torch.long)]
-    blob = torch.cat(ints).cpu().numpy()  # the one sync
-    out, at = [], 0
-    for t in ints:
-        out.append(blob[at : at + t.numel()])
-        at += t.numel()
-    parts = iter(out)
-    emitted = accepted = finite = None
-    if sample is not None:
-        emitted = next(parts).reshape(sample.emitted.shape)
-        accepted, finite = next(parts), next(parts).astype(bool)
-    host_drafts = next(parts).reshape(drafts.shape) if drafts is not None else None
-    chosen = top_ids = top_values = None
+    blob, event = torch.cat(ints), None
+    if blob.is_cuda:
+        host = torch.empty(blob.shape, dtype=blob.dtype, pin_memory=True)
+        host.copy_(blob, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        blob = host
+    shapes = None
     if lp is not None:
-        chosen = next(parts).view(np.float64).reshape(lp[0].shape)
-        if lp[1] is not None:
-            top_ids = next(parts).reshape(lp[1].shape)
-            top_values = next(parts).view(np.float64).reshape(lp[2].shape)
-    return HostSample(emitted, accepted, finite, host_drafts, chosen, top_ids, top_values)
+        shapes = (tuple(lp[0].shape), None if lp[1] is None else tuple(lp[1].shape),
+                  None if lp[2] is None else tuple(lp[2].shape))
+    return PendingRead(blob, event, [t.numel() for t in ints],
+                       tuple(sample.emitted.shape) if sample is not None else None,
+                       tuple(drafts.shape) if drafts is not None else None, shapes)
+

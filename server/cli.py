@@ -93,6 +93,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
                    help="batch sizes captured as decode/verify CUDA graphs (mode default: 1 2 4 single-user, "
                         "1 2 4 … 64 throughput)")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="schedule and launch decode step t+1 before reading step t back, so host work overlaps "
+                        "the device (vLLM's flag; ignored with speculation, PD roles and expert parallelism)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="never capture CUDA graphs: decode steps run the per-sequence eager path")
     p.add_argument("--kv-cache-memory", type=float, default=2.0, help="GiB for the KV pools")
@@ -159,6 +162,7 @@ def engine_config_from(args: argparse.Namespace):
                         speculative_tokens=args.speculative_tokens,
                         cuda_graph_sizes=tuple(args.cuda_graph_sizes or ()),
                         enforce_eager=args.enforce_eager, adaptive_speculation=args.adaptive_speculation,
+                        async_scheduling=getattr(args, "async_scheduling", False),
                         kv_cache_memory_bytes=int(args.kv_cache_memory * 2**30), block_size=args.block_size,
                         decoder_tail=args.decoder_tail,
                         enable_prefix_caching=getattr(args, "enable_prefix_caching", True),

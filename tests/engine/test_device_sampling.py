@@ -3,9 +3,7 @@ tensors, and one host read per decode step (a counting shim over the calls that 
 
 from __future__ import annotations
 
-import contextlib
 import random
-import sys
 
 import pytest
 import torch
@@ -17,6 +15,7 @@ from engine.sampler import SamplingRows, probs_device, to_probs
 from engine.speculative import verify, verify_batch
 from engine.weights import load_model
 from ipc.messages import SamplingParams
+from tests.host_syncs import count_host_reads
 
 TRIALS = 20000
 
@@ -118,41 +117,6 @@ def test_penalties_shape_greedy_rows_too():
     assert probs.argmax(-1).tolist() == want.argmax(-1).tolist()
     assert int(probs[0].argmax()) != int(logits[0].argmax())  # the penalty moved the choice
     assert torch.equal(probs.sum(-1), torch.ones(3)) and int((probs > 0).sum()) == 3  # one-hot rows
-
-
-# ---- host syncs per step -----------------------------------------------------------------------------
-
-# The Tensor calls that wait for the device on CUDA. numpy() is not among them: on a CUDA tensor
-# it raises, so a device read always goes through one of these first.
-_SYNCING = ("item", "tolist", "cpu", "__bool__", "__int__", "__float__", "nonzero")
-# CPU-only kernel implementations (numba routing and their argument range checks): on a GPU the
-# Triton kernels behind the same dispatch run instead, so their host reads are not the step's.
-_CPU_ONLY = ("kernels/cpu_", "kernels/checks.py")
-
-
-@contextlib.contextmanager
-def count_host_reads():
-    """Collects (call, file:line) of every syncing Tensor call outside the CPU-only kernels. On CPU
-    nothing waits, so this is the CPU stand-in for torch.cuda.set_sync_debug_mode: a step that
-    makes one such call makes one host sync on a GPU."""
-    calls: list[str] = []
-    saved = {name: getattr(torch.Tensor, name) for name in _SYNCING}
-
-    def wrap(name, fn):
-        def counted(self, *args, **kwargs):
-            caller = sys._getframe(1).f_code.co_filename.replace("\\", "/")
-            if not any(part in caller for part in _CPU_ONLY):
-                calls.append(f"{name} {caller}:{sys._getframe(1).f_lineno}")
-            return fn(self, *args, **kwargs)
-        return counted
-
-    for name, fn in saved.items():
-        setattr(torch.Tensor, name, wrap(name, fn))
-    try:
-        yield calls
-    finally:
-        for name, fn in saved.items():
-            setattr(torch.Tensor, name, fn)
 
 
 @pytest.fixture(scope="module")

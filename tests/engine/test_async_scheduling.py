@@ -1,0 +1,195 @@
+"""Async scheduling (--async-scheduling): step t + 1 is scheduled and launched before step t is
+read back, its sampled tokens standing in as placeholders. The reference is the synchronous
+engine on the same requests: every request's tokens, logprobs and finish reason must be the
+same, through the static (fused) decode path and the per-sequence one, while nothing leaks and
+every step still makes exactly one host read — made by `finish`, never by `launch`."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.weights import load_model
+from ipc.loop import new_event_loop
+from ipc.messages import Finished, SamplingParams
+from server.engine_client import EngineClient
+from tests.host_syncs import count_host_reads
+
+
+@pytest.fixture(scope="module")
+def model_dir(checkpoint_factory):
+    return checkpoint_factory("tiny-topk2", index_topk=2)
+
+
+@pytest.fixture(scope="module")
+def model(model_dir):
+    return load_model(model_dir, dtype=torch.float32, progress=False)
+
+
+def _engine(model, async_scheduling: bool, **kw) -> Engine:
+    base = dict(max_num_seqs=4, max_num_batched_tokens=24, kv_cache_memory_bytes=4 << 20, block_size=16,
+                cpu_matmul_precision="fp32")
+    base.update(kw)
+    return Engine(model, EngineConfig(async_scheduling=async_scheduling, **base))
+
+
+def _requests(model) -> list[tuple[list[int], SamplingParams]]:
+    """Greedy, seeded sampling, logprobs, penalties, stop tokens that fire (a request then ends
+    while its next step is in flight), max_tokens 1 and 2, prompts longer than a step's token
+    budget (chunked prefill), more requests than sequence slots."""
+    rng = random.Random(3)
+    prompt = lambda n: [rng.randrange(3, 400) for _ in range(n)]  # noqa: E731
+    first = (prompt(5), SamplingParams(max_tokens=9, ignore_eos=True))
+    greedy = _drive(_engine(model, False), [first])[0][0]
+    return [
+        first,
+        (prompt(40), SamplingParams(max_tokens=7, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True)),
+        (prompt(3), SamplingParams(max_tokens=1, ignore_eos=True)),
+        (prompt(17), SamplingParams(max_tokens=6, logprobs=2, ignore_eos=True)),
+        (prompt(8), SamplingParams(max_tokens=8, presence_penalty=-2.0, frequency_penalty=-1.0, ignore_eos=True)),
+        (prompt(9), SamplingParams(max_tokens=8, temperature=1.0, seed=4, presence_penalty=-2.0, ignore_eos=True)),
+        (prompt(2), SamplingParams(max_tokens=2, ignore_eos=True)),
+        (first[0], SamplingParams(max_tokens=9, stop_token_ids=[greedy[3]])),
+        (prompt(30), SamplingParams(max_tokens=12, temperature=1.1, seed=9)),
+    ]
+
+
+def _drive(engine: Engine, requests, abort_at: dict[int, int] | None = None, arrive_at: dict[int, int] | None = None):
+    """Run every request to its end; request i arrives before call arrive_at[i] (default 0) and is
+    aborted before call abort_at[i]. Returns (per request: tokens, logprobs, finish reason)."""
+    abort_at, arrive_at = abort_at or {}, arrive_at or {}
+    tokens = {i: [] for i in range(len(requests))}
+    logprobs = {i: [] for i in range(len(requests))}
+    reasons: dict[int, str] = {}
+    calls = 0
+    while len(reasons) < len(requests):
+        for i, (ids, params) in enumerate(requests):
+            if arrive_at.get(i, 0) == calls:
+                engine.add_request(i, ids, params)
+            if abort_at.get(i) == calls:
+                done = engine.abort(i)
+                if done is not None:
+                    reasons[i] = done.reason
+        out = engine.step()
+        for d in out.deltas:
+            tokens[d.request_id] += d.token_ids
+            logprobs[d.request_id] += d.logprobs or []
+        for f in out.finished:
+            assert f.request_id not in reasons, f"request {f.request_id} finished twice"
+            reasons[f.request_id] = f.reason
+        calls += 1
+        assert calls < 500, "the engine stopped making progress"
+    assert not engine.has_work
+    return [(tokens[i], logprobs[i], reasons[i]) for i in range(len(requests))]
+
+
+def _assert_nothing_held(engine: Engine) -> None:
+    assert not engine.scheduler.requests and not engine.scheduler.running and not engine.scheduler.waiting
+    assert engine._in_flight is None
+    assert engine.cache.manager.full.num_used == 0, "a KV block was not returned"
+
+
+@pytest.mark.parametrize("static", [True, False], ids=["static", "per-sequence"])
+def test_async_steps_give_the_synchronous_engines_tokens(model, static):
+    requests = _requests(model)
+    arrive = {6: 3, 7: 4, 8: 9}  # some arrive while others decode
+    want = _drive(_engine(model, False, static_decode=static), requests, arrive_at=arrive)
+    engine = _engine(model, True, static_decode=static)
+    assert engine.async_scheduling
+    got = _drive(engine, requests, arrive_at=arrive)
+    for i, ((t, lp, r), (t2, lp2, r2)) in enumerate(zip(want, got)):
+        assert (t2, r2) == (t, r), f"request {i}"
+        assert lp2 == pytest.approx(lp, abs=1e-5), f"request {i}"
+    assert [len(t) for t, _, _ in got][:7] == [9, 7, 1, 6, 8, 8, 2]
+    assert got[7][2] == "stop" and len(got[7][0]) <= 4
+    _assert_nothing_held(engine)
+    if static:
+        assert engine.static.num_runs > 0  # decode steps took the static path with placeholders
+
+
+def test_aborts_and_preemption_under_async_steps(model):
+    """A pool so small that requests are preempted, and aborts of requests whose step is in
+    flight: every request ends once, the survivors' tokens equal the synchronous engine's, and
+    every block comes back."""
+    requests = [(list(range(3 + i, 30 + i)), SamplingParams(max_tokens=20, ignore_eos=True)) for i in range(4)]
+    small = dict(num_kv_blocks=9, enable_prefix_caching=False)
+    abort = {1: 6, 3: 12}
+    want = _drive(_engine(model, False, **small), requests, abort_at=abort)
+    engine = _engine(model, True, **small)
+    got = _drive(engine, requests, abort_at=abort)
+    assert engine.scheduler.num_preemptions > 0
+    assert [r for _, _, r in got] == ["length", "abort", "length", "abort"]
+    assert got[0][0] == want[0][0] and got[2][0] == want[2][0]
+    _assert_nothing_held(engine)
+
+
+def test_an_async_step_waits_only_in_finish(model):
+    """Every engine step makes exactly one host read — the wait for the previous step's results —
+    and launching a decode step makes none (so on a GPU the host runs ahead of the device)."""
+    engine = _engine(model, True)
+    for i in range(3):
+        engine.add_request(i, [7 + i, 40, 3], SamplingParams(max_tokens=6, temperature=0.7, seed=i, ignore_eos=True))
+    runner, launches, per_step = engine.runner, [], []
+    launch = runner.launch
+    with count_host_reads() as calls:
+        def counted(batch, *args, **kwargs):
+            before = len(calls)
+            out = launch(batch, *args, **kwargs)
+            launches.append((batch.uniform_decode, calls[before:]))
+            return out
+
+        runner.launch = counted
+        while engine.has_work:
+            before, reads = len(calls), runner.num_host_reads
+            engine.step()
+            per_step.append((calls[before:], runner.num_host_reads - reads))
+    decode_launches = [c for q, c in launches if q == 1]
+    assert len(decode_launches) >= 4 and all(not c for c in decode_launches), decode_launches
+    # the first call only launches; every later one waits once, in PendingRead.wait
+    assert per_step[0] == ([], 1)
+    assert all(len(c) == 1 and c[0].startswith("PendingRead.wait") for c, _ in per_step[1:]), per_step
+
+
+def test_async_scheduling_is_off_where_it_cannot_apply(model):
+    assert not _engine(model, True, speculative_tokens=1).async_scheduling
+    assert not _engine(model, False).async_scheduling
+
+
+def test_a_server_worker_with_async_scheduling(model_dir, model):
+    """Through the real worker process: the same greedy tokens as an in-process synchronous engine."""
+    prompts = [[5, 9, 17], [100, 3, 3, 8, 41], [250]]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    sync = _engine(model, False)
+    want = _drive(sync, [(p, params) for p in prompts])
+
+    async def main():
+        client = EngineClient(model_dir, EngineConfig(max_num_seqs=4, max_num_batched_tokens=24,
+                                                      kv_cache_memory_bytes=4 << 20, block_size=16,
+                                                      cpu_matmul_precision="fp32", async_scheduling=True),
+                              threads_per_worker=1)
+        await client.start()
+        try:
+            async def one(ids):
+                tokens = []
+                async for item in client.generate(ids, params):
+                    if isinstance(item, Finished):
+                        assert item.reason == "length", item
+                    else:
+                        tokens += item.token_ids
+                return tokens
+
+            return await asyncio.wait_for(asyncio.gather(*(one(p) for p in prompts)), timeout=120)
+        finally:
+            await client.shutdown()
+
+    loop = new_event_loop()
+    try:
+        got = loop.run_until_complete(main())
+    finally:
+        loop.close()
+    assert got == [t for t, _, _ in want]
