@@ -96,7 +96,7 @@ class Engine:
         self.stats = EngineStats(spec_accepted_per_position=[0] * k)
         self.connector = None  # [kv-connector] PD disaggregation: engine.kv_connector.attach_connector sets it
         self.async_scheduling = _async_scheduling(config, k, v41)
-        self._in_flight: tuple[Batch, LaunchedStep, float] | None = None  # async scheduling: step t
+        self._in_flight: tuple[LaunchedStep, float] | None = None  # async scheduling: step t, its start
 
     @property
     def max_model_len(self) -> int:
@@ -148,14 +148,13 @@ class Engine:
         but the tokens are the same as without it. Returns step t's outputs."""
         t0 = time.perf_counter()
         prev, self._in_flight = self._in_flight, None
-        batch = self.scheduler.schedule(ahead=prev[0] if prev is not None else None)
+        ahead = prev[0] if prev is not None else None
+        batch = self.scheduler.schedule(ahead=ahead.batch if ahead is not None else None)
         if batch:
-            launched = self.runner.launch(batch, 0, ahead=prev[1] if prev is not None else None)
-            self._in_flight = (batch, launched, t0)
+            self._in_flight = (self.runner.launch(batch, 0, ahead=ahead), t0)
         if prev is None:
             return StepOutputs([], [])
-        prev_batch, prev_launched, prev_t0 = prev
-        return self._complete(prev_batch, self.runner.finish(prev_launched), prev_t0)
+        return self._complete(ahead.batch, self.runner.finish(ahead), prev[1])
 
     def kv_tick(self) -> StepOutputs | None:
         """[kv-connector] Advance KV transfers: the first tokens and failures of remote-prefilled

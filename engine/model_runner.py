@@ -130,7 +130,7 @@ class ModelRunner:
         else:  # the acceptance counts were read mid-step (no static MTP shape): now the drafts
             host = early
             if draft_tokens is not None:
-                host.drafts = self._start_read(None, draft_tokens).wait().drafts
+                host.drafts = self._read(None, draft_tokens).drafts
         # prompt scores read their logits now: static outputs are overwritten by the next launch
         scores = self._score_prompts(scoring, logits[n_sampled:]) if scoring else {}
         return LaunchedStep(batch, pending, sample, drafts, host, scores)
