@@ -22,13 +22,24 @@ class ScheduledRequest:
     # Whether this step computes every known (and draft) token, so a new token is sampled.
     # Fixed when scheduled: the update appends tokens afterwards.
     reaches_end: bool
-    # Async scheduling: 1 when the last position's token is the one the step in flight samples
-    # (not on the host yet; the runner takes it from that step's device result), else 0.
+    # Async scheduling: trailing tokens that the step in flight produces (not on the host yet;
+    # the runner takes them from that step's device results): 1 for the token it samples, plus,
+    # with speculation, the drafts it proposes (then every token of this step is one).
     num_placeholder: int = 0
+    # Async scheduling with speculation: the step in flight verifies `shift` drafts, and how many
+    # it accepts is known on the device only. This step's positions are then
+    # [start + a, end + a) for that count a ∈ [0, shift]: `start` is the earliest.
+    shift: int = 0
 
     @property
     def end(self) -> int:
+        """The end of the step's positions (the earliest, when it is shifted)."""
         return self.start + self.num_tokens
+
+    @property
+    def max_end(self) -> int:
+        """The latest end the step's positions can reach (what its KV blocks must cover)."""
+        return self.start + self.num_tokens + self.shift
 
     def token_ids(self) -> list[int]:
         """Token ids at positions [start, end): known tokens, then the trailing drafts (or a 0

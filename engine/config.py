@@ -433,8 +433,8 @@ class EngineConfig:
     adaptive_speculation: bool = True
     # vLLM's async scheduling: step t + 1 is scheduled and launched before step t is read back,
     # so the host's update/schedule work overlaps the device's step (engine/engine.py
-    # `_step_ahead`). Off where a step's inputs need its predecessor's results on the host:
-    # speculation, PD roles, expert-parallel lockstep.
+    # `_step_ahead`), MTP speculation included (on the static decode path). Off where a step's
+    # inputs need its predecessor's results on the host: V4.1, PD roles, expert-parallel lockstep.
     async_scheduling: bool = False
     seed: int = 0
     # --- PD disaggregation (engine/kv_connector.py): this engine's KV role and transport ---

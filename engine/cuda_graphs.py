@@ -75,6 +75,14 @@ class StaticStep:
         batch.positions[:n].copy_(start)
         batch.token_ids[:n].copy_(token_ids)
 
+    def shift(self, offsets: torch.Tensor) -> None:
+        """Move live row i's positions by offsets[i] ≥ 0, known on the device only (async
+        scheduling with speculation: how many drafts the step in flight accepts). The tables
+        were filled for the unshifted start and reach its largest shift (prepare's `reach`)."""
+        batch, n = self.shape.batch, self.num_rows
+        batch.start[:n] += offsets
+        batch.positions[: n * batch.tokens_per_seq] += offsets.repeat_interleave(batch.tokens_per_seq)
+
     def run(self, model, logit_rows: list[int] | None, inputs: torch.Tensor | None = None):
         """Streams [n·q, hc, D] of the live rows and the logits of `logit_rows` (None: all):
         views of static outputs where possible, valid until the next run. 'mtp' shapes take the
@@ -133,16 +141,17 @@ class StaticDecodeBackend:
         size = next((s for s in self.batch_sizes if s >= num_seqs), None)
         return None if size is None else ("mtp", size, q, self.buckets[0])
 
-    def prepare(self, rows: list[StepSeq], kind: str = "model") -> StaticStep | None:
+    def prepare(self, rows: list[StepSeq], kind: str = "model", reach: int | None = None) -> StaticStep | None:
         """Fill the smallest shape that holds these rows (all with the same number q of tokens),
-        or None when none does (mixed lengths, too many rows, a context beyond the buckets)."""
+        or None when none does (mixed lengths, too many rows, a context beyond the buckets).
+        `reach`: the furthest end a row's positions may get to once shifted (StaticStep.shift)."""
         q = len(rows[0].token_ids)
         if any(len(r.token_ids) != q for r in rows):
             return None
         if kind == "mtp":
             key = self.mtp_shape_for(len(rows), q)
         else:
-            key = self.shape_for(len(rows), q, max(r.start for r in rows) + q)
+            key = self.shape_for(len(rows), q, max(max(r.start for r in rows) + q, reach or 0))
         if key is None:
             return None
         shape = self._get(key)

@@ -95,7 +95,7 @@ class Engine:
         self.spec_control = SpeculationControl(k) if k and config.adaptive_speculation else None
         self.stats = EngineStats(spec_accepted_per_position=[0] * k)
         self.connector = None  # [kv-connector] PD disaggregation: engine.kv_connector.attach_connector sets it
-        self.async_scheduling = _async_scheduling(config, k, v41)
+        self.async_scheduling = _async_scheduling(config, k, v41, self.static is not None)
         self._in_flight: tuple[LaunchedStep, float] | None = None  # async scheduling: step t, its start
 
     @property
@@ -149,9 +149,14 @@ class Engine:
         t0 = time.perf_counter()
         prev, self._in_flight = self._in_flight, None
         ahead = prev[0] if prev is not None else None
-        batch = self.scheduler.schedule(ahead=ahead.batch if ahead is not None else None)
+        if ahead is None:
+            batch = self.scheduler.schedule()
+        else:
+            batch = self.scheduler.schedule(ahead=ahead.batch, ahead_drafts=_drafts_of(ahead) if self.runner.k else None)
+            if batch and not self.runner.runs_ahead(batch):
+                batch = Batch()  # e.g. no static shape holds it: step t is completed first
         if batch:
-            self._in_flight = (self.runner.launch(batch, 0, ahead=ahead), t0)
+            self._in_flight = (self.runner.launch(batch, self.draft_wish(batch), ahead=ahead), t0)
         if prev is None:
             return StepOutputs([], [])
         return self._complete(ahead.batch, self.runner.finish(ahead), prev[1])
@@ -240,18 +245,28 @@ def default_dtype(config: EngineConfig, device: str) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp32": torch.float32}[config.dtype]
 
 
-def _async_scheduling(config: EngineConfig, num_drafts: int, v41: bool) -> bool:
+def _async_scheduling(config: EngineConfig, num_drafts: int, v41: bool, static: bool) -> bool:
     """--async-scheduling, where a step's inputs never need its predecessor's results on the
-    host. Not with speculation (drafts are proposed from accepted tokens) nor for V4.1 (its
-    runner takes no device-side tokens yet): there it is turned off, said once. PD roles and
-    expert-parallel lockstep run the synchronous step (see Engine.step, worker.py)."""
+    host. Not for V4.1 (its runner takes no device-side tokens yet), nor with speculation
+    outside the static decode path (a step after a verification starts at a position known on
+    the device only): there it is turned off, said once. PD roles and expert-parallel lockstep
+    run the synchronous step (see Engine.step, worker.py)."""
     if not config.async_scheduling:
         return False
-    why = "--speculative-tokens" if num_drafts else "DeepSeek-V4.1" if v41 else None
+    why = ("DeepSeek-V4.1" if v41 else "--speculative-tokens without the static decode path" if num_drafts and not static
+           else None)
     if why is not None:
         logger.info("async scheduling is off: not supported with %s yet", why)
         return False
     return True
+
+
+def _drafts_of(launched: LaunchedStep) -> dict[int, int]:
+    """Request id → drafts a launched step proposes for it (async scheduling with speculation)."""
+    drafts = launched.drafts
+    if drafts is None:
+        return {}
+    return {launched.pending[i].sched.request.request_id: drafts.tokens.shape[1] for i in drafts.live}
 
 
 def _without_unsupported_prefix_caching(config: EngineConfig) -> EngineConfig:

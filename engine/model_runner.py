@@ -11,6 +11,12 @@ whose positions are advanced on the device. The step then reads everything back 
 sync); only when no static MTP shape holds the drafting rows does it read the acceptance counts
 first. The runner reads requests and never writes them: everything a step produced is in the
 returned `StepOutput`.
+
+Async scheduling (`launch(..., ahead=step_in_flight)`): a step may be launched before its
+predecessor is read back. Its placeholders (the predecessor's new token and drafts) are filled
+from the predecessor's device results, and after a verification its rows' positions are moved
+on the device by the predecessor's acceptance counts (static shapes only: `runs_ahead`), so
+the sampling noise, the MTP catch-up and the drafts all see the true positions.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from .cuda_graphs import StaticDecodeBackend
 from .kv_cache import KVCache
 from .model import DeepseekV4
 from .sampler import SamplingRows, logprobs_of, probs_device, ranks_of, sample_device
-from .step_sampling import DeviceSample, HostSample, PendingRead, StepSampler, _device_ints, start_read
+from .step_sampling import AheadDrafts, DeviceSample, HostSample, PendingRead, StepSampler, _device_ints, start_read
 
 
 @dataclass(slots=True)
@@ -56,6 +62,16 @@ class LaunchedStep:
     drafts: _Drafts | None
     host: PendingRead | HostSample | None  # the copy in flight (or, read mid-step, its result)
     scores: dict[int, PromptScores]
+
+
+@dataclass
+class _AheadInputs:
+    """A step's inputs that come from the step in flight, on the device (async scheduling)."""
+
+    tokens: torch.Tensor  # [T] the step's token ids, placeholders filled
+    shifts: torch.Tensor | None  # [n scheduled] position shifts (None: no row is shifted)
+    pending_shifts: torch.Tensor | None  # [P] the same for the sampling requests
+    drafts: AheadDrafts | None  # drafts proposed by the step in flight that this step verifies
 
 
 class ModelRunner:
@@ -101,9 +117,9 @@ class ModelRunner:
     def launch(self, batch: Batch, num_drafts: int | None = None, allow_static: bool = True,
                lockstep: bool = False, ahead: "LaunchedStep | None" = None) -> "LaunchedStep":
         """Issue the step's work and the copy of its results to the host, without waiting for
-        them (`finish` waits). `ahead`: the launched step whose sampled tokens fill this batch's
-        placeholders (async scheduling; it ran without drafts, so each sampling request's new
-        token is column 0 of its emitted row)."""
+        them (`finish` waits). `ahead`: the launched step whose results fill this batch's
+        placeholders — its new tokens and drafts — and shift its rows' positions (async
+        scheduling; see `_ahead_inputs`)."""
         num_drafts = self.k if num_drafts is None else num_drafts
         rows = [StepSeq(s.request.seq, s.start, s.token_ids()) for s in batch.scheduled]
         pending, logit_rows, end = [], [], 0
@@ -116,14 +132,18 @@ class ModelRunner:
         n_sampled = len(logit_rows)
         scoring = self._prompt_rows(batch, logit_rows)  # appended after the sampled rows
         allow_static = allow_static and not scoring
-        step = self._prepare(rows, allow_static=allow_static)
-        if ahead is not None and any(s.num_placeholder for s in batch.scheduled):
-            step.set_token_ids(self._placeholder_tokens(batch, rows, ahead))
+        flow = self._ahead_inputs(batch, rows, pending, ahead) if ahead is not None else None
+        if flow is not None and flow.shifts is not None:
+            step = self._shifted(rows, "model", flow.shifts, max(s.max_end for s in batch.scheduled))
+        else:
+            step = self._prepare(rows, allow_static=allow_static)
+        if flow is not None:
+            step.set_token_ids(flow.tokens)
         streams, logits = step.run(self.model, logit_rows)
-        sample = self._sample(pending, logits[:n_sampled]) if pending else None
+        sample = self._sample(pending, logits[:n_sampled], flow) if pending else None
         drafts = early = None
         if self.k:
-            drafts, early = self._run_mtp(batch, streams, pending, sample, num_drafts, lockstep)
+            drafts, early = self._run_mtp(batch, streams, pending, sample, num_drafts, lockstep, flow)
         draft_tokens = drafts.tokens if drafts is not None else None
         if early is None:
             host = self._start_read(sample, draft_tokens)
@@ -140,18 +160,72 @@ class ModelRunner:
         host = launched.host.wait() if isinstance(launched.host, PendingRead) else launched.host
         return StepOutput(self._outputs(launched.pending, host, launched.drafts), launched.scores)
 
-    def _placeholder_tokens(self, batch: Batch, rows: list[StepSeq], ahead: "LaunchedStep") -> torch.Tensor:
-        """The step's token ids [T] on the device: the rows' known tokens, and at each placeholder
-        the token `ahead` sampled for that request."""
-        assert ahead.sample is not None and ahead.sample.emitted.shape[1] == 1, "async steps carry no drafts"
+    def runs_ahead(self, batch: Batch) -> bool:
+        """Whether a batch scheduled ahead of the step in flight can be launched before that
+        step's results reach the host. A shifted batch (ScheduledRequest.shift) needs the
+        static shapes, whose positions can move on the device: its target forward, MTP
+        catch-up and draft steps."""
+        if not any(s.shift for s in batch.scheduled):
+            return True
+        q, n, static = batch.uniform_decode, len(batch.scheduled), self.static
+        if static is None or q is None:
+            return False
+        if static.shape_for(n, q, max(s.max_end for s in batch.scheduled)) is None:
+            return False
+        return not self.k or (static.mtp_shape_for(n, q) is not None and static.mtp_shape_for(n, 1) is not None)
+
+    def _shifted(self, rows: list[StepSeq], kind: str, shifts: torch.Tensor, reach: int):
+        """A static step over `rows` whose positions move by `shifts` [len(rows)] on the device."""
+        step = self.static.prepare(rows, kind, reach=reach) if self.static is not None else None
+        assert step is not None, "a shifted step runs a static shape (ModelRunner.runs_ahead)"
+        step.shift(shifts)
+        return step
+
+    def _ahead_inputs(self, batch: Batch, rows: list[StepSeq], pending: list[_Pending],
+                      ahead: "LaunchedStep") -> "_AheadInputs | None":
+        """What this step takes from the step in flight `ahead` on the device (async scheduling):
+        at each placeholder the token it samples for the request (the one after its accepted
+        drafts), then the drafts it proposes; each shifted row's shift (its acceptance count).
+        None when no row has a placeholder."""
+        if not any(s.num_placeholder for s in batch.scheduled):
+            return None
+        assert self.draft_override is None, "draft_override edits drafts on the host: not under async scheduling"
+        sample, drafts = ahead.sample, ahead.drafts
         sampled_at = {p.sched.request.request_id: i for i, p in enumerate(ahead.pending)}
-        known = [t for r in rows for t in r.token_ids]
-        source = []
+        draft_row = {ahead.pending[i].sched.request.request_id: r for r, i in enumerate(drafts.live)} if drafts else {}
+        k = drafts.tokens.shape[1] if drafts is not None else 0
+        num_new = sample.num_accepted.shape[0]
+        # source: −1 = the row's known token; else an index into [new tokens (P), drafts (R·k)]
+        source, shift_from, ahead_rows = [], [], {}
         for s in batch.scheduled:
+            rid = s.request.request_id
             source += [-1] * (s.num_tokens - s.num_placeholder)
             if s.num_placeholder:
-                source.append(sampled_at[s.request.request_id])
-        return self._next_tokens(known, source, ahead.sample)
+                source.append(sampled_at[rid])
+                source += [num_new + draft_row[rid] * k + j for j in range(s.num_placeholder - 1)]
+            shift_from.append(sampled_at[rid] if s.shift else -1)
+        for i, p in enumerate(pending):
+            if p.sched.num_placeholder > 1:  # it verifies drafts the step in flight proposed
+                ahead_rows[i] = draft_row[p.sched.request.request_id]
+        known = [t for r in rows for t in r.token_ids]
+        grid = _device_ints([known, source], self.device)
+        new = sample.emitted.gather(1, sample.num_accepted[:, None]).squeeze(1).clamp(min=0)  # [P]
+        pool = torch.cat((new, drafts.tokens.flatten())) if drafts is not None else new
+        tokens = torch.where(grid[1] >= 0, pool[grid[1].clamp(min=0)], grid[0])
+        shifts = pending_shifts = None
+        if any(f >= 0 for f in shift_from):
+            index = _device_ints([shift_from], self.device)[0]
+            shifts = torch.where(index >= 0, sample.num_accepted[index.clamp(min=0)], 0)  # [n]
+            order = {s.request.request_id: i for i, s in enumerate(batch.scheduled)}
+            pending_shifts = shifts[_device_ints([[order[p.sched.request.request_id] for p in pending]],
+                                                 self.device)[0]] if pending else None
+        verified = None
+        if ahead_rows:
+            live = list(ahead_rows.values())
+            at = _device_ints([live, list(ahead_rows)], self.device)
+            verified = AheadDrafts({i: j for j, i in enumerate(ahead_rows)}, at[1], drafts.tokens[at[0]],
+                                   drafts.probs[at[0]] if drafts.probs is not None else None)
+        return _AheadInputs(tokens, shifts, pending_shifts, verified)
 
     # ---- prompt scoring (SamplingParams.prompt_logprobs) ---------------------------------------
     @staticmethod
@@ -188,8 +262,10 @@ class ModelRunner:
         return out
 
     # ---- sampling and the read back ---------------------------------------------------------------
-    def _sample(self, pending: list[_Pending], logits: torch.Tensor) -> DeviceSample:
-        return self.sampler.sample(pending, logits)
+    def _sample(self, pending: list[_Pending], logits: torch.Tensor, flow: "_AheadInputs | None" = None) -> DeviceSample:
+        if flow is None:
+            return self.sampler.sample(pending, logits)
+        return self.sampler.sample(pending, logits, flow.pending_shifts, flow.drafts)
 
     def _read(self, sample: DeviceSample | None, drafts: torch.Tensor | None) -> HostSample | None:
         pending = self._start_read(sample, drafts)
@@ -230,10 +306,12 @@ class ModelRunner:
 
     # ---- MTP drafting ------------------------------------------------------------------------------
     def _run_mtp(self, batch: Batch, streams: torch.Tensor, pending: list[_Pending], sample: DeviceSample | None,
-                 num_drafts: int, lockstep: bool) -> tuple[_Drafts | None, HostSample | None]:
+                 num_drafts: int, lockstep: bool,
+                 flow: _AheadInputs | None = None) -> tuple[_Drafts | None, HostSample | None]:
         """Feed the MTP layer every row of this step (row at position p pairs the target's streams
         at p with token p + 1: known, or emitted this step), then draft `num_drafts` tokens per
-        request that sampled, from the row of its last accepted token."""
+        request that sampled, from the row of its last accepted token. `flow`: the inputs taken
+        from the step in flight (async scheduling), whose shifts move these rows too."""
         if not batch.scheduled and not lockstep:
             return None, None
         q_len = sample.emitted.shape[1] if sample is not None else 1
@@ -242,8 +320,10 @@ class ModelRunner:
         offset = 0
         for s in batch.scheduled:
             base, i = s.request.token_ids, pend_index.get(s.request.request_id)
+            # tokens the step knows: the host's, and the first placeholder (the in flight step's new token)
+            num_known = len(base) + (1 if s.num_placeholder else 0)
             for p in range(s.start, s.end):
-                emitted_at = p + 1 - len(base)  # ≥ 0: the token comes from this step's emitted row
+                emitted_at = p + 1 - num_known  # ≥ 0: the token comes from this step's emitted row
                 known.append(base[p + 1] if emitted_at < 0 else 0)
                 source.append(i * q_len + emitted_at if emitted_at >= 0 else -1)
             mtp_rows.append(StepSeq(s.request.seq, s.start, [0] * s.num_tokens))
@@ -252,13 +332,18 @@ class ModelRunner:
                 cand.append([first + min(j, s.num_draft) for j in range(q_len)])
             offset += s.num_tokens
         tokens = self._next_tokens(known, source, sample)
-        step = self._prepare(mtp_rows, "mtp")
+        shifts = flow.shifts if flow is not None else None
+        if shifts is not None:
+            step = self._shifted(mtp_rows, "mtp", shifts, max(s.max_end for s in batch.scheduled))
+        else:
+            step = self._prepare(mtp_rows, "mtp")
         step.set_token_ids(tokens)
         flat = [r for c in cand for r in c]
         h, logits = step.run(self.model, flat, inputs=streams[:offset])
         if not num_drafts or not (pending or lockstep):
             return None, None  # the MTP state was kept in step, nothing to propose
-        return self._draft(pending, h, logits, cand, sample, num_drafts, lockstep)
+        return self._draft(pending, h, logits, cand, sample, num_drafts, lockstep,
+                           flow.pending_shifts if flow is not None else None)
 
     def _next_tokens(self, known: list[int], source: list[int], sample: DeviceSample | None) -> torch.Tensor:
         grid = _device_ints([known, source], self.device)
@@ -268,25 +353,30 @@ class ModelRunner:
         return torch.where(grid[1] >= 0, picked, grid[0])
 
     def _draft(self, pending: list[_Pending], h: torch.Tensor, logits: torch.Tensor | None, cand: list[list[int]],
-               sample: DeviceSample, num_drafts: int, lockstep: bool) -> tuple[_Drafts | None, HostSample | None]:
+               sample: DeviceSample, num_drafts: int, lockstep: bool,
+               shifts: torch.Tensor | None = None) -> tuple[_Drafts | None, HostSample | None]:
+        """`shifts` [P]: the sampling requests' position shifts (async scheduling), or None."""
         live = []
         for i, p in enumerate(pending):
             s = p.sched
-            # Drafting writes the MTP window up to position (committed end) + drafts − 2 < s.end + drafts.
-            if self.cache.allocate(s.request.seq, s.end, s.end + num_drafts):
+            # Drafting writes the MTP window up to position (committed end) + drafts − 2 < s.max_end + drafts.
+            if self.cache.allocate(s.request.seq, s.end, s.max_end + num_drafts):
                 live.append(i)
         if not live and not lockstep:
             return None, None
         q_len = len(cand[0]) if cand else 1
-        n_acc = sample.num_accepted[live] if live else None  # [R]
+        live_index = _device_ints([live], self.device)[0] if live else None  # [R]
+        n_acc = sample.num_accepted[live_index] if live else None  # [R]
         at = _device_ints([[cand[i][j] for j in range(q_len)] for i in live], self.device) if live else None
         rows_h = at.gather(1, n_acc[:, None]).squeeze(1) if live else None  # row of each last accepted token
         cur = h[rows_h] if live else h[:0]
-        logits = logits.view(len(pending), q_len, -1)[live].gather(
+        logits = logits.view(len(pending), q_len, -1)[live_index].gather(
             1, n_acc[:, None, None].expand(-1, 1, logits.shape[-1])).squeeze(1) if live else None
         reqs = [pending[i].sched for i in live]
         # The token after the last accepted one sits at `committed` = s.end − d + n_acc; draft j at committed + j.
         committed = _device_ints([[s.end - s.num_draft for s in reqs]], self.device)[0] + n_acc if live else None
+        if live and shifts is not None:
+            committed = committed + shifts[live_index]
         seeds = _device_ints([[self.sampler.seed_of(s.request) for s in reqs]], self.device)[0] if live else None
         params = [s.request.params for s in reqs]
         greedy = all(p.greedy for p in params)
@@ -316,6 +406,7 @@ class ModelRunner:
         if step is not None:
             step.advance(committed + (j - 1), toks[-1])
             return step, host
+        assert not any(s.shift for s in reqs), "a shifted step drafts in static shapes (ModelRunner.runs_ahead)"
         if host is None and reqs:  # no static shape for these rows: read the acceptance counts now
             host = self._read(sample, None)
         starts = [s.end - s.num_draft + int(host.num_accepted[i]) + j - 1 for s, i in zip(reqs, live)] if reqs else []

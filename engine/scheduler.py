@@ -83,17 +83,24 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ---- scheduling ------------------------------------------------------------------------
-    def schedule(self, ahead: Batch | None = None) -> Batch:
+    def schedule(self, ahead: Batch | None = None, ahead_drafts: dict[int, int] | None = None) -> Batch:
         """The next step. `ahead` (async scheduling): the step in flight, not yet updated. A
         request in it continues from where that step ends; when that step samples its next
-        token, the new step computes that token's position with a placeholder for it. Under
-        `ahead` nothing is preempted: if blocks run out the batch is empty, and the engine
-        completes the step in flight before scheduling again."""
+        token, the new step computes that token's position with a placeholder for it. With
+        speculation, `ahead_drafts` (request id → drafts the step in flight proposes for it) is
+        given: such a request's new step verifies those drafts, all placeholders, at positions
+        shifted by however many of its current drafts the step in flight accepts (see
+        `ScheduledRequest.shift`). Under `ahead` nothing is preempted: if blocks run out the
+        batch is empty, and the engine completes the step in flight before scheduling again."""
         batch = Batch()
         budget = self.config.max_num_batched_tokens
         allocate = self.cache.manager.allocate
         scheduled = batch.scheduled
         in_flight = {s.request.request_id: s for s in ahead.scheduled} if ahead else None
+        if ahead_drafts is not None and self.waiting and len(self.running) < self.config.max_num_seqs:
+            # A shifted step runs static decode shapes only, so no prefill joins it: a waiting
+            # request that could be admitted makes this a synchronous step instead.
+            return batch
         i = 0
         # The hot loop of steady decode (hundreds of requests per step): kept to plain arithmetic.
         while i < len(self.running) and budget > 0:
@@ -101,21 +108,33 @@ class Scheduler:
             known = len(req.token_ids)
             total = known + len(req.draft_token_ids)
             start = req.num_computed_tokens
-            placeholder = 0
+            placeholder = shift = 0
+            num_draft = -1  # from the positions (below) unless set here
             if in_flight is not None and (prev := in_flight.get(req.request_id)) is not None:
-                if not _can_run_ahead(req, prev):
+                if not _can_run_ahead(req, prev, ahead_drafts is not None):
                     i += 1
                     continue
-                start, placeholder = prev.end, int(prev.reaches_end)
-                total += placeholder
+                if prev.reaches_end and ahead_drafts is not None:
+                    # req.num_computed_tokens is where prev really started (its predecessor is
+                    # done), so only prev's own acceptance is unknown.
+                    num_draft = ahead_drafts.get(req.request_id, 0)
+                    start, shift = req.num_computed_tokens + prev.num_tokens - prev.num_draft, prev.num_draft
+                    placeholder = 1 + num_draft
+                    total = start + placeholder
+                else:
+                    start, placeholder = prev.end, int(prev.reaches_end)
+                    total += placeholder
             n = min(total - start, budget)
-            if not allocate(req.seq.table, start, start + n, True):
+            if shift and n < total - start:
+                break  # a shifted step verifies all its drafts or waits
+            if not allocate(req.seq.table, start, start + n + shift, True):
                 if in_flight is not None:
                     return Batch()
                 if not self._preempt_until_fits(req, n, batch):
                     break  # req itself was preempted; everything after it was too
-            scheduled.append(ScheduledRequest(req, start, n, max(0, start + n - known - placeholder),
-                                              start + n == total, placeholder))
+            if num_draft < 0:
+                num_draft = max(0, start + n - known - placeholder)
+            scheduled.append(ScheduledRequest(req, start, n, num_draft, start + n == total, placeholder, shift))
             budget -= n
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not batch.preempted:
@@ -191,7 +210,8 @@ class Scheduler:
             req = s.request
             if req.is_finished:  # aborted while the step ran
                 continue
-            req.num_computed_tokens = s.end
+            # a shifted step starts where the update of the step before it left the request
+            req.num_computed_tokens = req.num_computed_tokens + s.num_tokens if s.shift else s.end
             scores = step.prompt_scores.get(req.request_id)
             if scores is not None and scores.first == len(req.prompt_scores) + 1:  # contiguous (a recompute skips)
                 req.prompt_scores.extend(zip(scores.logprobs, scores.ranks, scores.top_logprobs))
@@ -258,15 +278,18 @@ class Scheduler:
             self.cache.free(req.seq)
 
 
-def _can_run_ahead(req: Request, prev: ScheduledRequest) -> bool:
-    """Whether `req` may be scheduled while its step `prev` is in flight. Not when that step
-    samples its last token (max_tokens: it ends there for sure), nor for what needs the sampled
-    token on the host before the next step: penalties (the next step's history), prompt scores
-    still to send, and drafts (async scheduling runs without speculation)."""
+def _can_run_ahead(req: Request, prev: ScheduledRequest, speculation: bool) -> bool:
+    """Whether `req` may be scheduled while its step `prev` is in flight. Not when that step may
+    sample its last token (max_tokens: with d drafts it samples up to d + 1), nor for what needs
+    the sampled tokens on the host before the next step: penalties (the next step's history)
+    and prompt scores still to send. Without speculation (`speculation` False) a request that
+    carries drafts is not run ahead either."""
     p = req.params
-    if prev.num_draft or req.draft_token_ids or (p.prompt_logprobs is not None and not req.prompt_scores_sent):
+    if p.prompt_logprobs is not None and not req.prompt_scores_sent:
         return False
-    return not prev.reaches_end or (not p.has_penalties and req.num_output_tokens + 1 < p.max_tokens)
+    if not speculation and (prev.num_draft or req.draft_token_ids):
+        return False
+    return not prev.reaches_end or (not p.has_penalties and req.num_output_tokens + 1 + prev.num_draft < p.max_tokens)
 
 
 def _prompt_logprobs(req: Request) -> PromptLogprobs:

@@ -63,9 +63,12 @@ class StepSampler:
             seed = self._seeds[req] = self._rng.getrandbits(63)
         return seed
 
-    def sample(self, pending: list, logits: torch.Tensor) -> DeviceSample:
+    def sample(self, pending: list, logits: torch.Tensor, shifts: torch.Tensor | None = None,
+               drafts_ahead: "AheadDrafts | None" = None) -> DeviceSample:
         """pending: each with `.sched` (ScheduledRequest) and `.logit_rows` (its 1 + d rows of
-        `logits` [rows, V] fp32, the last of them the newest position)."""
+        `logits` [rows, V] fp32, the last of them the newest position). Async scheduling with
+        speculation: `shifts` [P] adds to each request's positions (ScheduledRequest.shift), and
+        the drafts of the requests in `drafts_ahead` are the step in flight's device tensors."""
         q_len = 1 + max(p.sched.num_draft for p in pending)
         index, params, seeds, counters, history = [], [], [], [], []
         for p in pending:
@@ -82,8 +85,10 @@ class StepSampler:
         sel = logits[_device_ints(index, self.device)]  # [P, Q, V]
         num, vocab = len(pending), logits.shape[-1]
         rows = SamplingRows(params, seeds, counters, self.device, history)
+        if shifts is not None:  # the noise is keyed by the true positions
+            rows.counters = rows.counters + shifts.repeat_interleave(q_len)
         probs = probs_device(sel.view(num * q_len, vocab), rows).view(num, q_len, vocab)
-        drafts, num_drafts, draft_probs = self._drafts(pending, q_len - 1, vocab)
+        drafts, num_drafts, draft_probs = self._drafts(pending, q_len - 1, vocab, drafts_ahead)
         counter_grid = rows.counters.view(num, q_len)
         seed_grid = rows.seeds.view(num, q_len)
         accept_u = counter_rng.uniform(counter_rng.row_keys(seed_grid[:, :-1].reshape(-1),
@@ -94,24 +99,39 @@ class StepSampler:
         finite = torch.isfinite(sel).flatten(1).all(dim=-1)
         return DeviceSample(emitted, accepted, finite, self._logprobs(pending, sel, emitted))
 
-    def _drafts(self, pending: list, d: int, vocab: int):
+    def _drafts(self, pending: list, d: int, vocab: int, ahead: "AheadDrafts | None"):
         """(drafts [P, d] int64, num_drafts [P], draft_probs [P, d, V] or None) on the device."""
-        tokens = [p.sched.request.draft_token_ids[: p.sched.num_draft] for p in pending]
-        # one copy: the padded drafts [P, d] then the counts [P], flattened
+        ahead_rows = ahead.rows if ahead is not None else {}
+        # host drafts (placeholders: zeros, replaced below); one copy: the padded drafts [P, d] then the counts [P]
+        tokens = [[0] * p.sched.num_draft if i in ahead_rows else p.sched.request.draft_token_ids[: p.sched.num_draft]
+                  for i, p in enumerate(pending)]
         flat = [x for t in tokens for x in t + [0] * (d - len(t))] + [len(t) for t in tokens]
         grid = _device_ints([flat], self.device)[0]
         drafts, num_drafts = grid[: len(pending) * d].view(len(pending), d), grid[len(pending) * d :]
-        if not d or all(p.sched.request.draft_probs is None for p in pending if p.sched.num_draft):
+        if ahead_rows and d:
+            drafts = drafts.clone()
+            # an ahead row verifies every draft the step in flight proposed (num_draft = k)
+            drafts[ahead.pending_index, : ahead.tokens.shape[1]] = ahead.tokens
+        probs_of = [self._draft_probs(i, p.sched, ahead) for i, p in enumerate(pending)]
+        if not d or all(probs is None for probs in probs_of):
             return drafts, num_drafts, None
         parts = []
         for i, p in enumerate(pending):
-            s = p.sched
-            probs = s.request.draft_probs[: s.num_draft] if s.num_draft and s.request.draft_probs is not None else None
+            s, probs = p.sched, probs_of[i]
             if probs is None:  # one-hot drafts (greedy) beside sampled ones
                 probs = torch.zeros(s.num_draft, vocab, device=self.device).scatter_(
                     -1, drafts[i, : s.num_draft, None], 1.0)
             parts.append(torch.cat((probs.float(), probs.new_zeros(d - s.num_draft, vocab))) if s.num_draft < d else probs)
         return drafts, num_drafts, torch.stack(parts)
+
+    @staticmethod
+    def _draft_probs(i: int, s, ahead: "AheadDrafts | None") -> torch.Tensor | None:
+        """Pending i's draft distributions [num_draft, V], or None for one-hot drafts."""
+        if not s.num_draft or s.request.params.greedy:
+            return None
+        if ahead is not None and i in ahead.rows:
+            return ahead.probs[ahead.rows[i]] if ahead.probs is not None else None
+        return s.request.draft_probs[: s.num_draft] if s.request.draft_probs is not None else None
 
     @staticmethod
     def _logprobs(pending: list, sel: torch.Tensor, emitted: torch.Tensor):
@@ -130,6 +150,17 @@ class StepSampler:
 def _device_ints(rows: list[list[int]], device) -> torch.Tensor:
     t = torch.tensor(rows, dtype=torch.long)
     return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t
+
+
+@dataclass
+class AheadDrafts:
+    """Drafts a step verifies that the step in flight proposed (async scheduling with
+    speculation): still on the device, never read by the host before this step runs."""
+
+    rows: dict[int, int]  # pending index in this step → row of `tokens`
+    pending_index: torch.Tensor  # [R] the same pending indices, on the device, in row order
+    tokens: torch.Tensor  # [R, k] int64
+    probs: torch.Tensor | None  # [R, k, V] (None: one-hot drafts)
 
 
 @dataclass

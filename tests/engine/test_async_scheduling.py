@@ -9,9 +9,11 @@ from __future__ import annotations
 import asyncio
 import random
 
+import msgspec
 import pytest
 import torch
 
+from engine.batch import RequestStepOutput, StepOutput
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.weights import load_model
@@ -128,12 +130,15 @@ def test_aborts_and_preemption_under_async_steps(model):
     _assert_nothing_held(engine)
 
 
-def test_an_async_step_waits_only_in_finish(model):
+@pytest.mark.parametrize("spec", [0, 3], ids=["plain", "mtp"])
+def test_an_async_step_waits_only_in_finish(model, spec):
     """Every engine step makes exactly one host read — the wait for the previous step's results —
-    and launching a decode step makes none (so on a GPU the host runs ahead of the device)."""
-    engine = _engine(model, True)
+    and launching a decode step makes none (so on a GPU the host runs ahead of the device);
+    with MTP speculation too, where a step verifies drafts the step in flight proposed."""
+    engine = _engine(model, True, speculative_tokens=spec, adaptive_speculation=False)
     for i in range(3):
-        engine.add_request(i, [7 + i, 40, 3], SamplingParams(max_tokens=6, temperature=0.7, seed=i, ignore_eos=True))
+        engine.add_request(i, [7 + i, 40, 3], SamplingParams(max_tokens=6 + 4 * spec, temperature=0.7, seed=i,
+                                                             ignore_eos=True))
     runner, launches, per_step = engine.runner, [], []
     launch = runner.launch
     with count_host_reads() as calls:
@@ -148,29 +153,124 @@ def test_an_async_step_waits_only_in_finish(model):
             before, reads = len(calls), runner.num_host_reads
             engine.step()
             per_step.append((calls[before:], runner.num_host_reads - reads))
-    decode_launches = [c for q, c in launches if q == 1]
+    decode_launches = [c for q, c in launches if q == 1 + spec]
     assert len(decode_launches) >= 4 and all(not c for c in decode_launches), decode_launches
     # the first call only launches; every later one waits once, in PendingRead.wait
     assert per_step[0] == ([], 1)
-    assert all(len(c) == 1 and c[0].startswith("PendingRead.wait") for c, _ in per_step[1:]), per_step
+    if not spec:
+        assert all(len(c) == 1 and c[0].startswith("PendingRead.wait") for c, _ in per_step[1:]), per_step
+        return
+    # With drafts, a request whose step in flight may sample its last token is not run ahead
+    # (nor, after a call that only waited, the next, which only launches): near the ends some
+    # calls launch nothing; none reads more than once.
+    assert all(len(c) <= 1 and all(x.startswith("PendingRead.wait") for x in c) for c, _ in per_step), per_step
+    assert sum(len(c) == 1 and n == 1 for c, n in per_step) >= 4, per_step  # waited for t, launched t + 1
+
+
+def _spec_requests() -> list[tuple[list[int], SamplingParams]]:
+    """Requests whose MTP drafts are often accepted on a random-weight model: at a high
+    temperature the target's and the draft's distributions are both near uniform, so rejection
+    sampling accepts most drafts — every acceptance count occurs, so later steps' positions
+    shift by each. Beside them: greedy ones (drafts mostly rejected), logprobs, a stop token."""
+    rng = random.Random(5)
+    prompt = lambda n: [rng.randrange(3, 400) for _ in range(n)]  # noqa: E731
+    hot = lambda seed, n: SamplingParams(max_tokens=n, temperature=8.0, seed=seed, ignore_eos=True)  # noqa: E731
+    return [
+        (prompt(6), hot(1, 17)),
+        (prompt(21), hot(2, 11)),
+        (prompt(3), SamplingParams(max_tokens=9, ignore_eos=True)),
+        (prompt(9), SamplingParams(max_tokens=8, temperature=8.0, seed=3, logprobs=1, ignore_eos=True)),
+        (prompt(2), hot(4, 2)),
+        (prompt(12), SamplingParams(max_tokens=14, temperature=0.8, top_k=5, seed=6, ignore_eos=True)),
+        (prompt(5), hot(7, 13)),
+    ]
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["k3", "adaptive"])
+def test_async_steps_with_speculation_give_the_synchronous_engines_tokens(model, adaptive):
+    """MTP speculation under async scheduling: step t + 1 verifies the drafts step t proposes
+    (placeholders) at positions shifted on the device by t's acceptance count. Tokens,
+    logprobs and finish reasons equal the synchronous engine's; drafts were accepted at every
+    depth; the steps ran ahead (launched before their predecessor was read)."""
+    requests = _spec_requests()
+    if adaptive:  # the draft count follows acceptance, which async steps see a step later: greedy
+        requests = [(ids, msgspec.structs.replace(p, temperature=0.0)) for ids, p in requests]  # is lossless anyway
+    arrive = {4: 5, 5: 8, 6: 9}
+    spec = dict(speculative_tokens=3, adaptive_speculation=adaptive)
+    sync = _engine(model, False, **spec)
+    want = _drive(sync, requests, arrive_at=arrive)
+    engine = _engine(model, True, **spec)
+    assert engine.async_scheduling
+    shifted = []
+    launch = engine.runner.launch
+
+    def counted(batch, *args, **kwargs):
+        shifted.append(sum(s.shift > 0 for s in batch.scheduled))
+        return launch(batch, *args, **kwargs)
+
+    engine.runner.launch = counted
+    got = _drive(engine, requests, arrive_at=arrive)
+    for i, ((t, lp, r), (t2, lp2, r2)) in enumerate(zip(want, got)):
+        assert (t2, r2) == (t, r), f"request {i}"
+        assert lp2 == pytest.approx(lp, abs=1e-5), f"request {i}"
+    assert [len(t) for t, _, _ in got] == [17, 11, 9, 8, 2, 14, 13]
+    if not adaptive:
+        assert min(engine.stats.spec_accepted_per_position) > 0, engine.stats
+    assert sum(shifted) > 5, shifted  # steps launched with positions known on the device only
+    if not adaptive:
+        assert engine.stats.spec_accepted_per_position == sync.stats.spec_accepted_per_position
+    _assert_nothing_held(engine)
+
+
+def test_a_shifted_step_is_scheduled_and_updated_from_the_true_positions(model):
+    """The scheduler alone, with hand-made step outputs: a verify step t in flight (3 drafts)
+    is followed by step t + 1 at the earliest position after it, shifted by up to 3, its
+    blocks covering the latest end; each update then moves the request to its true position."""
+    engine = _engine(model, False, speculative_tokens=3, adaptive_speculation=False)
+    sched, prompt = engine.scheduler, list(range(10, 30))  # 20 tokens
+    req = engine.add_request(0, prompt, SamplingParams(max_tokens=40, ignore_eos=True))
+    prefill = sched.schedule()
+    sched.update(prefill, StepOutput({0: RequestStepOutput([5], drafts=[6, 7, 8])}))
+    verify = sched.schedule()  # step t: the last token and 3 drafts at positions 20..23
+    (t,) = verify.scheduled
+    assert (t.start, t.num_tokens, t.num_draft, t.shift) == (20, 4, 3, 0)
+    ahead = sched.schedule(ahead=verify, ahead_drafts={0: 3})  # step t + 1 while t is in flight
+    (u,) = ahead.scheduled
+    assert (u.start, u.num_tokens, u.num_draft, u.num_placeholder, u.shift) == (21, 4, 3, 4, 3)
+    assert u.token_ids() == [0, 0, 0, 0] and u.max_end == 28
+    assert len(req.seq.table.full) * engine.cache.layout.block_size >= u.max_end
+    # t accepts 2 of its 3 drafts: 3 new tokens, position 23 (the bonus token's) comes next
+    sched.update(verify, StepOutput({0: RequestStepOutput([6, 7, 9], drafts=[1, 2, 3])}))
+    assert req.num_computed_tokens == 23 and req.token_ids[20:] == [5, 6, 7, 9]
+    # t + 1 ran at 23..26 and accepted none of [1, 2, 3]
+    sched.update(ahead, StepOutput({0: RequestStepOutput([4], drafts=[8, 8, 8])}))
+    assert req.num_computed_tokens == 24 and req.token_ids[20:] == [5, 6, 7, 9, 4]
+    assert req.draft_token_ids == [8, 8, 8]
+    engine.abort(0)
+    _assert_nothing_held(engine)
 
 
 def test_async_scheduling_is_off_where_it_cannot_apply(model):
-    assert not _engine(model, True, speculative_tokens=1).async_scheduling
+    assert _engine(model, True, speculative_tokens=1).async_scheduling
+    assert not _engine(model, True, speculative_tokens=1, static_decode=False).async_scheduling
     assert not _engine(model, False).async_scheduling
 
 
-def test_a_server_worker_with_async_scheduling(model_dir, model):
-    """Through the real worker process: the same greedy tokens as an in-process synchronous engine."""
+@pytest.mark.parametrize("spec", [0, 3], ids=["plain", "mtp"])
+def test_a_server_worker_with_async_scheduling(model_dir, model, spec):
+    """Through the real worker process: the same tokens as an in-process synchronous engine
+    (greedy, and seeded sampling hot enough that MTP drafts are accepted)."""
     prompts = [[5, 9, 17], [100, 3, 3, 8, 41], [250]]
-    params = SamplingParams(max_tokens=8, ignore_eos=True)
-    sync = _engine(model, False)
+    params = SamplingParams(max_tokens=12, temperature=8.0 if spec else 0.0, seed=2, ignore_eos=True)
+    spec_kw = dict(speculative_tokens=spec, adaptive_speculation=False)
+    sync = _engine(model, False, **spec_kw)
     want = _drive(sync, [(p, params) for p in prompts])
 
     async def main():
         client = EngineClient(model_dir, EngineConfig(max_num_seqs=4, max_num_batched_tokens=24,
                                                       kv_cache_memory_bytes=4 << 20, block_size=16,
-                                                      cpu_matmul_precision="fp32", async_scheduling=True),
+                                                      cpu_matmul_precision="fp32", async_scheduling=True,
+                                                      **spec_kw),
                               threads_per_worker=1)
         await client.start()
         try:

@@ -191,11 +191,11 @@ def test_non_finite_logits_fail_only_that_request(model):
     prompts = _prompts(3, seed=8)
     original = engine.runner._sample
 
-    def poisoned(pending, logits):
+    def poisoned(pending, logits, *rest):
         for p in pending:
             if p.sched.request.request_id == 1:
                 logits[p.logit_rows] = float("nan")
-        return original(pending, logits)
+        return original(pending, logits, *rest)
 
     engine.runner._sample = poisoned
     finals = {}
