@@ -81,7 +81,8 @@ class StaticStep:
         were filled for the unshifted start and reach its largest shift (prepare's `reach`)."""
         batch, n = self.shape.batch, self.num_rows
         batch.start[:n] += offsets
-        batch.positions[: n * batch.tokens_per_seq] += offsets.repeat_interleave(batch.tokens_per_seq)
+        q = batch.tokens_per_seq
+        batch.positions[: n * q] += offsets[:, None].expand(n, q).reshape(-1)  # (no repeat_interleave: it may sync)
 
     def run(self, model, logit_rows: list[int] | None, inputs: torch.Tensor | None = None):
         """Streams [n·q, hc, D] of the live rows and the logits of `logit_rows` (None: all):

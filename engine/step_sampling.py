@@ -86,7 +86,7 @@ class StepSampler:
         num, vocab = len(pending), logits.shape[-1]
         rows = SamplingRows(params, seeds, counters, self.device, history)
         if shifts is not None:  # the noise is keyed by the true positions
-            rows.counters = rows.counters + shifts.repeat_interleave(q_len)
+            rows.counters = rows.counters + shifts[:, None].expand(num, q_len).reshape(-1)
         probs = probs_device(sel.view(num * q_len, vocab), rows).view(num, q_len, vocab)
         drafts, num_drafts, draft_probs = self._drafts(pending, q_len - 1, vocab, drafts_ahead)
         counter_grid = rows.counters.view(num, q_len)

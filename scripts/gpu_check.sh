@@ -9,8 +9,8 @@
 #   2. the .cu kernels build for sm_90, sm_100a and sm_103a (NVRTC, and nvcc when present)
 #   3. every gpu-marked test: kernel parity vs the references (CuPy kernels), the compiled fused
 #      decode step vs the static torch path, CUDA graph replay vs eager logits (teacher forcing)
-#      and vs the uncaptured static path (bit for bit), one host sync per captured step
-#      (torch.cuda.set_sync_debug_mode)
+#      and vs the uncaptured static path (bit for bit), one host sync per captured step and none
+#      in an async-scheduled launch, MTP included (torch.cuda.set_sync_debug_mode)
 #   4. decode step time at batch 1/32/128 x context 4k/64k (small preset, captured), its split by
 #      component, launches per step (torch.profiler), KV and MoE bandwidth vs the copy bandwidth
 #   4b. verify-step attention with shared window reads vs per-token reads (perf/bench_sparse_mla.py)

@@ -101,3 +101,54 @@ def test_one_host_sync_per_captured_decode_step(models, k):
     decode = [s for static, s in syncs if static]
     assert len(decode) >= 3
     assert all(len(s) == 1 for s in decode), decode
+
+
+@pytest.mark.parametrize("k", [0, 2])
+@torch.inference_mode()
+def test_async_launches_make_no_host_sync(models, k):
+    """--async-scheduling on captured shapes, with and without MTP: launching a decode or verify
+    step while its predecessor is in flight makes no host sync (placeholders, drafts and
+    position shifts come from the predecessor's device results), and the greedy requests'
+    tokens equal the synchronous engine's."""
+    model = models["auto"]
+    params = [SamplingParams(max_tokens=14, ignore_eos=True), SamplingParams(max_tokens=11, ignore_eos=True),
+              SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, top_p=0.9, seed=3)]
+
+    def engine(async_scheduling: bool) -> Engine:
+        return Engine(model, EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, block_size=16,
+                                          kv_cache_memory_bytes=16 << 20, cuda_graph_sizes=(1, 2, 4),
+                                          static_decode=True, speculative_tokens=k, adaptive_speculation=False,
+                                          max_model_len=256, async_scheduling=async_scheduling))
+
+    def drive(e: Engine) -> dict[int, list[int]]:
+        for i, p in enumerate(params):
+            e.add_request(i, [5 + i, 9, 17, 33, 40], p)
+        out = {i: [] for i in range(len(params))}
+        while e.has_work:
+            for d in e.step().deltas:
+                out[d.request_id] += d.token_ids
+        return out
+
+    want = drive(engine(False))
+    e = engine(True)
+    assert e.async_scheduling
+    runner, syncs = e.runner, []
+    launch = runner.launch
+
+    def counted(batch, *args, ahead=None, **kwargs):
+        if ahead is None or batch.uniform_decode is None:
+            return launch(batch, *args, ahead=ahead, **kwargs)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                out = launch(batch, *args, ahead=ahead, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs.append([str(w.message)[:120] for w in seen if "synchroniz" in str(w.message)])
+        return out
+
+    runner.launch = counted
+    got = drive(e)
+    assert got[0] == want[0] and got[1] == want[1]
+    assert len(syncs) >= 3 and all(not s for s in syncs), syncs
