@@ -81,10 +81,11 @@ class V41ModelRunner(ModelRunner):
     def static_ok(self, batch) -> bool:
         return False
 
-    def _run_mtp(self, batch, out: ForwardOut | None, pending, sample, num_drafts: int, lockstep: bool):
+    def _run_mtp(self, batch, out: ForwardOut | None, pending, sample, num_drafts: int, lockstep: bool, flow=None):
         """DSpark: observe this step's rows, then draft `num_drafts` tokens per sampling request
         after its last accepted token. Returns ModelRunner's (drafts, host sample read early):
-        drafting needs the accepted tokens on the host."""
+        drafting needs the accepted tokens on the host (so no async scheduling: `flow` is None)."""
+        assert flow is None, "V4.1 steps are not scheduled ahead"
         if out is None:
             return None, None
         self.dspark.observe(out.main_hidden, out.chunks)
