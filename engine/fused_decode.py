@@ -22,7 +22,6 @@ packed into one GEMM (engine/packed_linear.py) when their formats allow it.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 import kernels
 

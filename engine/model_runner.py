@@ -380,10 +380,13 @@ class ModelRunner:
         seeds = _device_ints([[self.sampler.seed_of(s.request) for s in reqs]], self.device)[0] if live else None
         params = [s.request.params for s in reqs]
         greedy = all(p.greedy for p in params)
+        penalized = any(p.has_penalties for p in params)
         rows_params = SamplingRows(params, [0] * len(params), [0] * len(params), self.device) if live else None
         toks, probs_per_step, host = [], [], None
         for j in range(1, num_drafts + 1):
             if live:
+                if penalized:  # as the target will: this step's tokens and the drafts before count
+                    rows_params.penalty = self.sampler.penalty_rows([s.request for s in reqs], toks, logits.shape[-1])
                 probs = probs_device(logits, rows_params)
                 keys = None if greedy else counter_rng.row_keys(seeds, committed + j, counter_rng.DRAFT)
                 toks.append(sample_device(probs, keys))

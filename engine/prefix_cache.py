@@ -92,7 +92,7 @@ class PrefixCache:
             raise ValueError(f"--prefix-replay must be one of {', '.join(PREFIX_REPLAY_MODES)}, got {mode!r}")
         self.cache, self.mode, self.model_salt = cache, mode, model_salt
         self.manager = cache.manager
-        self.block_size = b = cache.layout.block_size
+        self.block_size = cache.layout.block_size
         # MTP window rows at H − 1 were computed with token H: a snapshot serves only requests
         # with the same token there when drafts read them.
         self.speculative = speculative

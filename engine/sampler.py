@@ -93,22 +93,25 @@ def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, top_n: int) -> tuple
 
 class SamplingRows:
     """Per-row sampling parameters of one step as device tensors [R], plus the host-known facts
-    that choose which ops run (all greedy, any shaping, penalty rows). Built with one host→device
-    copy per dtype; reading nothing back."""
+    that choose which ops run (all greedy, any shaping). Built with one host→device copy per
+    dtype; reading nothing back. `penalty`, set by the caller for rows with presence/frequency
+    penalties: (rows [Rp], the token counts [Rp, V] fp32 each row penalizes with), from
+    engine/output_counts.py."""
 
-    def __init__(self, params: list[SamplingParams], seeds: list[int], counters: list[int], device,
-                 history: list[list[int]] | None = None):
+    def __init__(self, params: list[SamplingParams], seeds: list[int], counters: list[int], device):
         self.num_rows = len(params)
         self.all_greedy = all(p.greedy for p in params)
         self.any_shaping = any(p.shapes_distribution and not p.greedy for p in params)
-        self.penalties = [(i, p, history[i]) for i, p in enumerate(params)
-                          if history is not None and p.has_penalties and history[i]]
+        self.penalty: tuple[torch.Tensor, torch.Tensor] | None = None
         floats = torch.tensor([[p.temperature if not p.greedy else 1.0 for p in params],
-                               [p.top_p for p in params], [p.min_p for p in params]], dtype=torch.float32)
+                               [p.top_p for p in params], [p.min_p for p in params],
+                               [p.frequency_penalty for p in params], [p.presence_penalty for p in params]],
+                              dtype=torch.float32)
         ints = torch.tensor([[int(p.greedy) for p in params], [p.top_k for p in params], seeds, counters],
                             dtype=torch.long)
         floats, ints = _to_device(floats, device), _to_device(ints, device)
         self.temperature, self.top_p, self.min_p = floats[0], floats[1], floats[2]  # [R]
+        self.frequency_penalty, self.presence_penalty = floats[3], floats[4]
         self.greedy, self.top_k, self.seeds, self.counters = ints[0].bool(), ints[1], ints[2], ints[3]
 
 
@@ -123,12 +126,11 @@ def probs_device(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
     """[R, V] logits → [R, V] sampling distributions (to_probs' maths with per-row tensors):
     penalties first (greedy rows too, as in vLLM), then one-hot argmax for greedy rows; else
     softmax(l / T), then top-k/top-p/min-p."""
-    if rows.penalties:  # rare: OpenAI presence/frequency penalties over each row's outputs
+    if rows.penalty is not None:  # OpenAI presence/frequency penalties over each row's token counts
+        at, counts = rows.penalty
+        frequency, presence = rows.frequency_penalty[at, None], rows.presence_penalty[at, None]
         logits = logits.clone()
-    for i, p, hist in rows.penalties:
-        counts = torch.bincount(_to_device(torch.tensor(hist), logits.device), minlength=logits.shape[-1])
-        counts = counts[: logits.shape[-1]].float()
-        logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+        logits[at] = logits[at] - (frequency * counts + presence * (counts > 0).float())
     one_hot = torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     if rows.all_greedy:
         return one_hot

@@ -280,16 +280,16 @@ class Scheduler:
 
 def _can_run_ahead(req: Request, prev: ScheduledRequest, speculation: bool) -> bool:
     """Whether `req` may be scheduled while its step `prev` is in flight. Not when that step may
-    sample its last token (max_tokens: with d drafts it samples up to d + 1), nor for what needs
-    the sampled tokens on the host before the next step: penalties (the next step's history)
-    and prompt scores still to send. Without speculation (`speculation` False) a request that
-    carries drafts is not run ahead either."""
+    sample its last token (max_tokens: with d drafts it samples up to d + 1), nor while prompt
+    scores are still to send (they need the host). Penalties need nothing from the host: their
+    counts are kept on the device (engine/output_counts.py). Without speculation
+    (`speculation` False) a request that carries drafts is not run ahead either."""
     p = req.params
     if p.prompt_logprobs is not None and not req.prompt_scores_sent:
         return False
     if not speculation and (prev.num_draft or req.draft_token_ids):
         return False
-    return not prev.reaches_end or (not p.has_penalties and req.num_output_tokens + 1 + prev.num_draft < p.max_tokens)
+    return not prev.reaches_end or req.num_output_tokens + 1 + prev.num_draft < p.max_tokens
 
 
 def _prompt_logprobs(req: Request) -> PromptLogprobs:

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from . import counter_rng
+from .output_counts import OutputCounts
 from .sampler import SamplingRows, probs_device
 from .speculative import verify_batch
 
@@ -53,6 +54,7 @@ class StepSampler:
     def __init__(self, device: torch.device):
         self.device = device
         self._seeds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.output_counts: OutputCounts | None = None  # made at the first request with penalties
         self._rng = random.Random()
 
     def seed_of(self, req) -> int:
@@ -70,7 +72,7 @@ class StepSampler:
         speculation: `shifts` [P] adds to each request's positions (ScheduledRequest.shift), and
         the drafts of the requests in `drafts_ahead` are the step in flight's device tensors."""
         q_len = 1 + max(p.sched.num_draft for p in pending)
-        index, params, seeds, counters, history = [], [], [], [], []
+        index, params, seeds, counters = [], [], [], []
         for p in pending:
             s, req = p.sched, p.sched.request
             rows = list(range(p.logit_rows.start, p.logit_rows.stop))
@@ -81,14 +83,17 @@ class StepSampler:
                 params.append(req.params)
                 seeds.append(seed)
                 counters.append(first + j + 1)  # the position of the token this row produces
-                history.append(req.output_token_ids + req.draft_token_ids[:j] if req.params.has_penalties else [])
         sel = logits[_device_ints(index, self.device)]  # [P, Q, V]
         num, vocab = len(pending), logits.shape[-1]
-        rows = SamplingRows(params, seeds, counters, self.device, history)
+        rows = SamplingRows(params, seeds, counters, self.device)
         if shifts is not None:  # the noise is keyed by the true positions
             rows.counters = rows.counters + shifts[:, None].expand(num, q_len).reshape(-1)
-        probs = probs_device(sel.view(num * q_len, vocab), rows).view(num, q_len, vocab)
         drafts, num_drafts, draft_probs = self._drafts(pending, q_len - 1, vocab, drafts_ahead)
+        penalized = [i for i, p in enumerate(pending) if p.sched.request.params.has_penalties]
+        slots = None
+        if penalized:
+            slots, rows.penalty = self._penalties(pending, penalized, drafts, q_len, vocab)
+        probs = probs_device(sel.view(num * q_len, vocab), rows).view(num, q_len, vocab)
         counter_grid = rows.counters.view(num, q_len)
         seed_grid = rows.seeds.view(num, q_len)
         accept_u = counter_rng.uniform(counter_rng.row_keys(seed_grid[:, :-1].reshape(-1),
@@ -96,8 +101,44 @@ class StepSampler:
         keys = None if rows.all_greedy else counter_rng.row_keys(rows.seeds, rows.counters, counter_rng.SAMPLE)
         emitted, accepted = verify_batch(probs, drafts, draft_probs, num_drafts, accept_u.view(num, q_len - 1),
                                          None if keys is None else keys.view(num, q_len))
+        if penalized:  # the next step's (and this step's drafts') penalties count these tokens
+            self.output_counts.add(slots, emitted[self._pending_index(penalized)])
         finite = torch.isfinite(sel).flatten(1).all(dim=-1)
         return DeviceSample(emitted, accepted, finite, self._logprobs(pending, sel, emitted))
+
+    def penalty_rows(self, reqs: list, drafted: list[torch.Tensor], vocab: int):
+        """SamplingRows.penalty for MTP draft rows: each penalized request's counts (this step's
+        tokens included) plus the drafts proposed so far (`drafted`: [R] tensors); None if no
+        request has penalties."""
+        penalized = [i for i, req in enumerate(reqs) if req.params.has_penalties]
+        if not penalized:
+            return None
+        index = self._pending_index(penalized)
+        counts = self._counts(vocab).rows(self.output_counts.slots([reqs[i] for i in penalized]))  # [Rp, V]
+        for tokens in drafted:
+            counts.scatter_add_(1, tokens[index, None], torch.ones(len(penalized), 1, device=counts.device))
+        return index, counts
+
+    def _penalties(self, pending: list, penalized: list[int], drafts: torch.Tensor, q_len: int, vocab: int):
+        """(rows of `penalized` [Pp], SamplingRows.penalty): the counts row j of a request
+        penalizes with are its output counts plus its first j drafts."""
+        slots = self._counts(vocab).slots([pending[i].sched.request for i in penalized])
+        base = self.output_counts.rows(slots)[:, None, :].expand(-1, q_len, -1)  # [Pp, Q, V]
+        if q_len > 1:
+            index = self._pending_index(penalized)
+            picked = drafts[index][..., None]  # [Pp, d, 1]
+            seen = torch.zeros(len(penalized), q_len - 1, vocab, device=base.device).scatter_(2, picked, 1.0).cumsum(1)
+            base = base + torch.cat((torch.zeros_like(seen[:, :1]), seen), dim=1)
+        rows = (_device_ints([[i * q_len + j for i in penalized for j in range(q_len)]], self.device)[0])
+        return slots, (rows, base.reshape(-1, vocab))
+
+    def _counts(self, vocab: int) -> OutputCounts:
+        if self.output_counts is None:
+            self.output_counts = OutputCounts(vocab, self.device)
+        return self.output_counts
+
+    def _pending_index(self, indices: list[int]) -> torch.Tensor:
+        return _device_ints([indices], self.device)[0]
 
     def _drafts(self, pending: list, d: int, vocab: int, ahead: "AheadDrafts | None"):
         """(drafts [P, d] int64, num_drafts [P], draft_probs [P, d, V] or None) on the device."""

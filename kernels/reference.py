@@ -11,8 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import checks
-from kernels.formats import (E2M1_MAX, E4M3_MAX, E4M3_MIN_SUBNORMAL, ROPE_DIM, UE8M0_AMAX_FLOOR,
-                             KVFormat, slot_offsets)
+from kernels.formats import E2M1_MAX, E4M3_MAX, E4M3_MIN_SUBNORMAL, UE8M0_AMAX_FLOOR, KVFormat, slot_offsets
 
 FLT_MAX = torch.finfo(torch.float32).max
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])

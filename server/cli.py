@@ -7,7 +7,6 @@ one line `ringserve: error: …` on stderr and exit status 2, never a traceback.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import sys

@@ -21,8 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..config import ENGRAM_TABLES, WEIGHT_DTYPES, ConfigError, ModelConfig
-from ..linear import GroupedWeight, QuantWeight
+from ..config import ENGRAM_TABLES, WEIGHT_DTYPES, ModelConfig
 from ..weight_names import v41_target_of
 from ..weights import WeightLoadError, _Checkpoint, _Filler, _is_scale, shard_files, stored_formats
 from .dspark import DSparkStage

@@ -9,8 +9,11 @@ import pytest
 import torch
 
 from engine import counter_rng
+from engine.batch import ScheduledRequest
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.output_counts import OutputCounts
+from engine.request import Request, RequestStatus
 from engine.sampler import SamplingRows, probs_device, to_probs
 from engine.speculative import verify, verify_batch
 from engine.weights import load_model
@@ -109,7 +112,13 @@ def test_penalties_shape_greedy_rows_too():
     history = [[int(logits[0].argmax())] * 2, [int(logits[1].argmax()), 5], []]
     params = [SamplingParams(presence_penalty=1.5, frequency_penalty=2.0), SamplingParams(presence_penalty=-2.0),
               SamplingParams(presence_penalty=2.0)]
-    probs = probs_device(logits, SamplingRows(params, [0] * 3, [0] * 3, "cpu", history))
+    rows = SamplingRows(params, [0] * 3, [0] * 3, "cpu")
+    counts = OutputCounts(40, "cpu")
+    reqs = [Request(i, [1, 2], p) for i, p in enumerate(params)]
+    for req, hist in zip(reqs, history):
+        req.token_ids += hist  # the output so far
+    rows.penalty = (torch.arange(3), counts.rows(counts.slots(reqs)))
+    probs = probs_device(logits, rows)
     want = logits.clone()
     for i, (p, hist) in enumerate(zip(params, history)):
         counts = torch.bincount(torch.tensor(hist, dtype=torch.long), minlength=40).float()
@@ -117,6 +126,93 @@ def test_penalties_shape_greedy_rows_too():
     assert probs.argmax(-1).tolist() == want.argmax(-1).tolist()
     assert int(probs[0].argmax()) != int(logits[0].argmax())  # the penalty moved the choice
     assert torch.equal(probs.sum(-1), torch.ones(3)) and int((probs > 0).sum()) == 3  # one-hot rows
+
+
+def test_output_counts_follow_emitted_tokens_and_reuse_finished_rows():
+    """A row starts as the request's output counts, gains each emitted token (−1: none), and
+    a finished request's row goes to the next request, cleared; rows grow past the first four."""
+    counts = OutputCounts(10, "cpu")
+    reqs = [Request(i, [9], SamplingParams(presence_penalty=1.0)) for i in range(6)]
+    reqs[0].token_ids += [3, 3, 7]
+    slots = counts.slots(reqs[:2])
+    assert counts.rows(slots)[0].tolist() == [0, 0, 0, 2, 0, 0, 0, 1, 0, 0] and counts.rows(slots)[1].sum() == 0
+    counts.add(slots, torch.tensor([[4, 4, -1], [0, -1, -1]]))
+    assert counts.rows(slots).tolist() == [[0, 0, 0, 2, 2, 0, 0, 1, 0, 0], [1] + [0] * 9]
+    assert torch.equal(counts.slots(reqs[:2]), slots)  # the same rows while the requests live
+    reqs[0].status = RequestStatus.FINISHED
+    later = counts.slots(reqs[2:])  # four more: one takes request 0's row, the rest grow the matrix
+    assert int(slots[0]) in later.tolist() and counts.rows(later).sum() == 0 and counts.num_live == 5
+    assert counts.rows(counts.slots([reqs[1]])).tolist() == [[1] + [0] * 9]
+
+
+def test_a_verify_row_penalizes_the_drafts_before_it():
+    """Greedy verification under a frequency penalty: row j's history is the output plus drafts
+    1..j−1. Token 5 leads every row by a little, so a row that counts draft 5 picks 6, and one
+    that counts 5 and 6 picks 7: drafts [5, 6, 7] are all accepted only if each row counts the
+    drafts before it, and the bonus token then avoids all three."""
+    from engine.model_runner import _Pending
+    from engine.step_sampling import StepSampler
+
+    vocab = 12
+    logits = torch.zeros(4, vocab)
+    logits[:, 5], logits[:, 6], logits[:, 7], logits[:, 8] = 5.0, 4.9, 4.8, 4.7
+    req = Request(0, [1, 2, 3], SamplingParams(frequency_penalty=1.0))
+    req.token_ids += [9]  # one output token so far, penalized too
+    req.draft_token_ids = [5, 6, 7]
+    sched = ScheduledRequest(req, 3, 4, 3, True)  # positions 3..6: the last token and three drafts
+    sample = StepSampler(torch.device("cpu")).sample([_Pending(sched, slice(0, 4))], logits)
+    assert sample.num_accepted.tolist() == [3] and sample.emitted.tolist() == [[5, 6, 7, 8]]
+
+
+def _openai_penalties(presence: float, frequency: float, prompt_len: int):
+    """transformers logits processor: OpenAI's presence/frequency penalties over the generated
+    tokens (the reference for the engine's device counts)."""
+    def process(input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        out = scores.clone()
+        for b in range(input_ids.shape[0]):
+            counts = torch.bincount(input_ids[b, prompt_len:], minlength=scores.shape[-1]).float()
+            out[b] -= frequency * counts + presence * (counts > 0).float()
+        return out
+
+    return process
+
+
+@pytest.mark.parametrize("spec,async_scheduling", [(0, False), (3, False), (3, True)],
+                         ids=["plain", "mtp", "mtp-async"])
+def test_penalized_greedy_tokens_match_transformers(checkpoint_factory, spec, async_scheduling):
+    """Greedy decoding under presence and frequency penalties equals transformers' generate with
+    the penalties applied by a hand-written logits processor, through MTP verification (drafts
+    penalized as the target penalizes) and async scheduling (the counts never visit the host)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers import LogitsProcessorList
+
+    path = checkpoint_factory("tiny-upstream", layout="upstream", index_topk=64)
+    ours = load_model(path, dtype=torch.float32, progress=False)
+    ref = transformers.DeepseekV4ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = [torch.randint(2, ours.cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+               for n in (7, 19)]
+    params = [SamplingParams(max_tokens=24, presence_penalty=0.8, frequency_penalty=0.6, ignore_eos=True),
+              SamplingParams(max_tokens=20, frequency_penalty=1.5, ignore_eos=True)]
+    want = []
+    with torch.no_grad():
+        for ids, p in zip(prompts, params):
+            processor = _openai_penalties(p.presence_penalty, p.frequency_penalty, len(ids))
+            out = ref.generate(torch.tensor([ids]), max_new_tokens=p.max_tokens, do_sample=False, eos_token_id=None,
+                               pad_token_id=0, logits_processor=LogitsProcessorList([processor]))
+            want.append(out[0, len(ids):].tolist())
+    engine = Engine(ours, EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, kv_cache_memory_bytes=4 << 20,
+                                       block_size=16, cpu_matmul_precision="fp32", speculative_tokens=spec,
+                                       adaptive_speculation=False, async_scheduling=async_scheduling))
+    for i, (ids, p) in enumerate(zip(prompts, params)):
+        engine.add_request(i, ids, p)
+    got = {0: [], 1: []}
+    while engine.has_work:
+        for d in engine.step().deltas:
+            got[d.request_id] += d.token_ids
+    assert [got[0], got[1]] == want
+    assert len(set(want[0])) > 12  # the penalties broke the random model's loops
+    assert engine.runner.sampler.output_counts.num_live == 0 or all(
+        r.is_finished for r, _ in engine.runner.sampler.output_counts._slot.values())
 
 
 @pytest.fixture(scope="module")
