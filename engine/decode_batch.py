@@ -32,12 +32,57 @@ from .kv_cache import KVCache
 _FIELDS = ("token_ids", "positions", "start", "full_table", "sliding_table", "sliding_first")
 
 
+class HostMirrors:
+    """Pinned host copies of a device buffer, each filled on the host and then copied over
+    without blocking. A mirror is rewritten only once its last copy has run (its event has
+    completed): with async scheduling a step is filled while the previous one is still on the
+    device, and a shape may be filled several times per step (MTP catch-up and drafts). When
+    every mirror is still busy a new one is added, up to `limit`; past it the fill waits for
+    the oldest copy."""
+
+    def __init__(self, numel: int, limit: int = 8, pinned=None, new_event=None):
+        self.numel, self.limit = numel, limit
+        self._pinned = pinned or (lambda n: torch.zeros(n, dtype=torch.long, pin_memory=True))
+        self._new_event = new_event or torch.cuda.Event
+        self.mirrors: list[torch.Tensor] = []
+        self._events: list = []  # per mirror: the event after its last copy (None: never copied)
+        self._issued: list[int] = []  # per mirror: when its last copy was issued (a counter)
+        self._count = 0
+        self._next = 0
+
+    def take(self) -> int:
+        """The index of a mirror the host may write now."""
+        n = len(self.mirrors)
+        for i in range(n):
+            j = (self._next + i) % n
+            if self._events[j] is None or self._events[j].query():
+                self._next = (j + 1) % n
+                return j
+        if n < self.limit:
+            self.mirrors.append(self._pinned(self.numel))
+            self._events.append(None)
+            self._issued.append(0)
+            self._next = 0
+            return n
+        j = min(range(n), key=self._issued.__getitem__)
+        self._events[j].synchronize()  # every mirror's copy is still queued: wait for the oldest
+        self._next = (j + 1) % n
+        return j
+
+    def copied(self, index: int) -> None:
+        """Mark mirror `index`'s copy as issued (on the current stream)."""
+        event = self._new_event()
+        event.record()
+        self._events[index] = event
+        self._count += 1
+        self._issued[index] = self._count
+
+
 @dataclass
 class DecodeBatch:
     """Every field is a view of one int64 device buffer (`_device`), filled from a host mirror
-    by a single copy per step. On CUDA two pinned mirrors take turns, so a fill never rewrites
-    memory whose copy the device may not have run yet (with async scheduling the next step is
-    filled while the previous one is still on the device); on CPU the mirror is the buffer."""
+    by a single copy per step. On CUDA the mirrors are pinned (`HostMirrors`), so a fill never
+    rewrites memory whose copy the device may not have run yet; on CPU the mirror is the buffer."""
 
     cache: KVCache
     tokens_per_seq: int  # q
@@ -48,15 +93,17 @@ class DecodeBatch:
     sliding_table: torch.Tensor  # [B, S] int64
     sliding_first: torch.Tensor  # [B] int64
     _device: torch.Tensor
-    _hosts: tuple[torch.Tensor, ...]  # the mirrors (one on CPU: the buffer itself)
-    _host_parts: list[dict[str, np.ndarray]] = field(init=False)  # numpy views of each mirror, per field
-    _turn: int = field(init=False, default=0)  # the mirror the next fill writes
+    _mirrors: HostMirrors | None  # CUDA: the pinned mirrors; None on CPU (the buffer is its own mirror)
+    _host_parts: dict[int, dict[str, np.ndarray]] = field(init=False, default_factory=dict)  # per mirror
 
-    def __post_init__(self) -> None:
-        sizes = [getattr(self, name).numel() for name in _FIELDS]
-        self._host_parts = [{name: part.reshape(getattr(self, name).shape)
-                             for name, part in zip(_FIELDS, np.split(host.numpy(), np.cumsum(sizes)[:-1]))}
-                            for host in self._hosts]
+    def _parts(self, host: torch.Tensor, key: int) -> dict[str, np.ndarray]:
+        """numpy views of a mirror, per field."""
+        parts = self._host_parts.get(key)
+        if parts is None:
+            sizes = [getattr(self, name).numel() for name in _FIELDS]
+            parts = self._host_parts[key] = {name: part.reshape(getattr(self, name).shape) for name, part
+                                             in zip(_FIELDS, np.split(host.numpy(), np.cumsum(sizes)[:-1]))}
+        return parts
 
     @classmethod
     def allocate(cls, cache: KVCache, num_seqs: int, tokens_per_seq: int, full_blocks: int,
@@ -66,11 +113,9 @@ class DecodeBatch:
         shapes = ((n,), (n,), (num_seqs,), (num_seqs, full_blocks), (num_seqs, sliding_blocks), (num_seqs,))
         sizes = [math.prod(shape) for shape in shapes]
         device = torch.zeros(sum(sizes), dtype=torch.long, device=cache.device)
-        on_cuda = device.device.type == "cuda"
-        hosts = tuple(torch.zeros(sum(sizes), dtype=torch.long, pin_memory=True) for _ in range(2)) if on_cuda \
-            else (device,)
+        mirrors = HostMirrors(sum(sizes)) if device.device.type == "cuda" else None
         views = [part.view(shape) for part, shape in zip(device.split(sizes), shapes)]
-        return cls(cache, tokens_per_seq, *views, _device=device, _hosts=hosts)
+        return cls(cache, tokens_per_seq, *views, _device=device, _mirrors=mirrors)
 
     @property
     def num_seqs(self) -> int:
@@ -107,15 +152,15 @@ class DecodeBatch:
         """Copy a live batch into the buffers; rows past len(rows) become padding.
 
         rows: per sequence (token ids [q], start, full block ids ≤ F, sliding block ids ≤ S,
-        sliding_first). Written into a host mirror as numpy arrays, then one copy. A mirror is
-        rewritten two fills later, after the step of the fill between them was launched, so at
-        most one step may be in flight when filling (async scheduling waits for step t before
-        filling step t + 2).
+        sliding_first). Written into a host mirror as numpy arrays, then one copy (none on CPU).
         """
         q, n = self.tokens_per_seq, len(rows)
-        host = self._hosts[self._turn]
-        parts = self._host_parts[self._turn]
-        self._turn = (self._turn + 1) % len(self._hosts)
+        if self._mirrors is None:
+            index, host = -1, self._device
+        else:
+            index = self._mirrors.take()
+            host = self._mirrors.mirrors[index]
+        parts = self._parts(host, index)
         host.zero_()
         tokens, start, first = parts["token_ids"], parts["start"], parts["sliding_first"]
         full, sliding = parts["full_table"], parts["sliding_table"]
@@ -126,5 +171,6 @@ class DecodeBatch:
             full[i, : len(full_ids)] = full_ids
             sliding[i, : len(sliding_ids)] = sliding_ids
         parts["positions"][:] = (start[:, None] + np.arange(q)).reshape(-1)  # padding rows: 0..q-1
-        if host is not self._device:
+        if self._mirrors is not None:
             self._device.copy_(host, non_blocking=True)
+            self._mirrors.copied(index)

@@ -28,7 +28,7 @@ import torch
 from . import counter_rng
 from .attention_backend import SequenceBackend, StepSeq
 from .batch import Batch, PromptScores, RequestStepOutput, ScheduledRequest, StepOutput
-from .cuda_graphs import StaticDecodeBackend
+from .cuda_graphs import StaticDecodeBackend, StaticStep
 from .kv_cache import KVCache
 from .model import DeepseekV4
 from .sampler import SamplingRows, logprobs_of, probs_device, ranks_of, sample_device
@@ -382,7 +382,7 @@ class ModelRunner:
         greedy = all(p.greedy for p in params)
         penalized = any(p.has_penalties for p in params)
         rows_params = SamplingRows(params, [0] * len(params), [0] * len(params), self.device) if live else None
-        toks, probs_per_step, host = [], [], None
+        toks, probs_per_step, host, step = [], [], None, None
         for j in range(1, num_drafts + 1):
             if live:
                 if penalized:  # as the target will: this step's tokens and the drafts before count
@@ -393,7 +393,8 @@ class ModelRunner:
                 probs_per_step.append(probs)
             if j == num_drafts:
                 break
-            step, host = self._draft_step(reqs, committed, j, toks, sample, host, live)
+            step, host = self._draft_step(reqs, committed, j, toks, sample, host, live,
+                                          step if isinstance(step, StaticStep) else None)
             cur, logits = step.run(self.model, list(range(len(live))), inputs=cur)  # every row
         if not live:
             return None, host
@@ -401,11 +402,15 @@ class ModelRunner:
         return _Drafts(live, torch.stack(toks, dim=1), stacked), host
 
     def _draft_step(self, reqs: list[ScheduledRequest], committed, j: int, toks: list, sample: DeviceSample,
-                    host: HostSample | None, live: list[int]):
+                    host: HostSample | None, live: list[int], filled: StaticStep | None = None):
         """The MTP forward producing draft j + 1: row at position committed + j − 1 with draft j.
-        A static 'mtp' shape takes the positions on the device; otherwise they are read first."""
-        rows = [StepSeq(s.request.seq, s.start + 1, [0]) for s in reqs]  # start: the smallest possible
-        step = self.static.prepare(rows, "mtp") if self.static is not None and rows else None
+        A static 'mtp' shape takes the positions on the device; otherwise they are read first.
+        `filled`: the static step of draft j, whose tables serve every draft of the step (they
+        were filled for the smallest start), so only its positions and tokens move."""
+        step = filled
+        if step is None and self.static is not None and reqs:
+            rows = [StepSeq(s.request.seq, s.start + 1, [0]) for s in reqs]  # start: the smallest possible
+            step = self.static.prepare(rows, "mtp")
         if step is not None:
             step.advance(committed + (j - 1), toks[-1])
             return step, host

@@ -148,3 +148,91 @@ def test_shape_choice(model):
     assert context_buckets(256, 32768) == [1024, 4096, 16384, 32768]
     with pytest.raises(ValueError, match="cuda-graph-sizes"):
         StaticDecodeBackend(model, cache, (0,), (1,), 1000, capture=False)
+
+
+class _FakeEvent:
+    """A CUDA event stand-in: done once the test says its copy ran."""
+
+    def __init__(self, log):
+        self.done, self.log = False, log
+        log.append(self)
+
+    def record(self):
+        pass
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        self.done = True
+
+
+def test_host_mirrors_never_rewrite_a_copy_still_queued():
+    """A fill takes a mirror whose last copy has run; while every mirror's copy is queued a new
+    mirror is added (up to the limit), then the fill waits for the oldest copy."""
+    from engine.decode_batch import HostMirrors
+
+    events = []
+    mirrors = HostMirrors(4, limit=3, pinned=lambda n: torch.zeros(n, dtype=torch.long),
+                          new_event=lambda: _FakeEvent(events))
+    order = []
+    for _ in range(3):  # three fills, no copy has run: three mirrors
+        i = mirrors.take()
+        mirrors.copied(i)
+        order.append(i)
+    assert order == [0, 1, 2] and len(mirrors.mirrors) == 3
+    events[1].done = True  # mirror 1's copy ran: it is the one reused
+    assert mirrors.take() == 1
+    mirrors.copied(1)
+    # all three queued and at the limit: the fill waits for the oldest copy (mirror 0's)
+    assert mirrors.take() == 0 and events[0].done and not events[2].done
+    mirrors.copied(0)
+    for e in events:
+        e.done = True
+    taken = [mirrors.take() for _ in range(3)]
+    assert sorted(taken) == [0, 1, 2] and len(mirrors.mirrors) == 3  # round robin once all are free
+
+
+def test_a_fill_through_pinned_mirrors_lands_whole(model):
+    """DecodeBatch.fill as on CUDA (a mirror, then one copy), run on CPU with stand-in events:
+    the device buffer holds the latest fill, padding rows are zero, and a mirror whose copy is
+    still queued keeps the earlier fill."""
+    import dataclasses
+
+    from engine.decode_batch import DecodeBatch, HostMirrors
+
+    cache = KVCache.for_model(model, "auto", max_num_seqs=4, num_full_blocks=16, block_size=16)
+    events = []
+    plain = DecodeBatch.allocate(cache, 3, 2, 4, 3)
+    mirrors = HostMirrors(plain._device.numel(), limit=4, pinned=lambda n: torch.zeros(n, dtype=torch.long),
+                          new_event=lambda: _FakeEvent(events))
+    batch = dataclasses.replace(plain, _mirrors=mirrors)
+    batch.fill([([5, 6], 10, [1, 2], [3], 0), ([7, 8], 20, [4], [5, 6], 1)])
+    first = batch._device.clone()
+    batch.fill([([9, 9], 30, [7, 8, 9], [2], 1)])
+    assert batch.token_ids.tolist() == [9, 9, 0, 0, 0, 0] and batch.positions.tolist() == [30, 31, 0, 1, 0, 1]
+    assert batch.full_table.tolist() == [[7, 8, 9, 0], [0] * 4, [0] * 4] and batch.sliding_first.tolist() == [1, 0, 0]
+    assert len(batch._mirrors.mirrors) == 2 and torch.equal(batch._mirrors.mirrors[0], first)
+
+
+def test_a_verify_step_fills_each_static_shape_once(model, monkeypatch):
+    """With 3 drafts a static verify step fills three shapes once each — the target's, the MTP
+    catch-up's and the draft forwards' (its tables serve every draft; only positions and tokens
+    move on the device): host work per step does not grow with the drafts."""
+    from engine.decode_batch import DecodeBatch
+
+    engine = Engine(model, EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, kv_cache_memory_bytes=4 << 20,
+                                        block_size=16, speculative_tokens=3, adaptive_speculation=False,
+                                        cpu_matmul_precision="fp32"))
+    for i in range(2):
+        engine.add_request(i, [3 + i, 40, 41, 9], SamplingParams(max_tokens=12, ignore_eos=True))
+    fills, fill = [], DecodeBatch.fill
+    monkeypatch.setattr(DecodeBatch, "fill", lambda self, rows: (fills.append(id(self)), fill(self, rows))[1])
+    per_step = []
+    while engine.has_work:
+        before = len(fills)
+        engine.step()
+        per_step.append(fills[before:])
+    verify = [f for f in per_step if len(f) == 3]
+    assert len(verify) >= 3, per_step
+    assert all(len(f) <= 3 for f in per_step), per_step
