@@ -12,6 +12,7 @@ import random
 import msgspec
 import pytest
 import torch
+from tokenizers import Tokenizer
 
 from engine.batch import RequestStepOutput, StepOutput
 from engine.config import EngineConfig
@@ -19,6 +20,7 @@ from engine.engine import Engine
 from engine.weights import load_model
 from ipc.loop import new_event_loop
 from ipc.messages import Finished, SamplingParams
+from server.builtin import trained_model_dir
 from server.engine_client import EngineClient
 from tests.host_syncs import count_host_reads
 
@@ -114,17 +116,47 @@ def test_async_steps_give_the_synchronous_engines_tokens(model, static):
         assert engine.static.num_runs > 0  # decode steps took the static path with placeholders
 
 
-def test_aborts_and_preemption_under_async_steps(model):
+TEXTS = ["The function returns a new list of the items in the", "To open a file for reading, call the built-in function",
+         "The module provides a way of using operating system dependent", "If the argument is omitted, the default value of the"]
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """The shipped trained built-in model: its MTP drafts are often right under greedy decoding."""
+    path = trained_model_dir()
+    if path is None:
+        pytest.skip("no trained built-in model in server/builtin_model/ (ringserve train-builtin makes it)")
+    return load_model(path, dtype=torch.float32, progress=False)
+
+
+@pytest.mark.parametrize("spec", [0, 3], ids=["plain", "mtp"])
+def test_aborts_and_preemption_under_async_steps(request, spec):
     """A pool so small that requests are preempted, and aborts of requests whose step is in
     flight: every request ends once, the survivors' tokens equal the synchronous engine's, and
-    every block comes back."""
-    requests = [(list(range(3 + i, 30 + i)), SamplingParams(max_tokens=20, ignore_eos=True)) for i in range(4)]
-    small = dict(num_kv_blocks=9, enable_prefix_caching=False)
+    every block comes back. With MTP on the trained built-in model (greedy: speculation is
+    lossless, so the tokens cannot depend on when preemption cleared a request's drafts) the
+    drafts are often right, and steps after a verification are launched shifted."""
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    if spec:
+        model = request.getfixturevalue("trained")
+        tok = Tokenizer.from_file(str(trained_model_dir() / "tokenizer.json"))
+        requests = [(tok.encode(text).ids, params) for text in TEXTS]
+    else:
+        model = request.getfixturevalue("model")
+        requests = [(list(range(3 + i, 30 + i)), params) for i in range(4)]
+    small = dict(num_kv_blocks=5 if spec else 9, enable_prefix_caching=False, speculative_tokens=spec,
+                 adaptive_speculation=False)
     abort = {1: 6, 3: 12}
     want = _drive(_engine(model, False, **small), requests, abort_at=abort)
     engine = _engine(model, True, **small)
+    shifted = []
+    launch = engine.runner.launch
+    engine.runner.launch = lambda batch, *a, **kw: (shifted.append(any(s.shift for s in batch.scheduled)),
+                                                    launch(batch, *a, **kw))[1]
     got = _drive(engine, requests, abort_at=abort)
     assert engine.scheduler.num_preemptions > 0
+    if spec:  # steps after a verification ran ahead, shifted; many of the drafts were right
+        assert sum(shifted) >= 3 and engine.stats.spec_accepted_per_position[0] >= 5, (shifted, engine.stats)
     assert [r for _, _, r in got] == ["length", "abort", "length", "abort"]
     assert got[0][0] == want[0][0] and got[2][0] == want[2][0]
     _assert_nothing_held(engine)
