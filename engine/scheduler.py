@@ -97,9 +97,12 @@ class Scheduler:
         allocate = self.cache.manager.allocate
         scheduled = batch.scheduled
         in_flight = {s.request.request_id: s for s in ahead.scheduled} if ahead else None
-        if ahead_drafts is not None and self.waiting and len(self.running) < self.config.max_num_seqs:
+        if (ahead_drafts is not None and self.waiting and len(self.running) < self.config.max_num_seqs
+                and any(s.reaches_end and s.num_draft for s in ahead.scheduled)):
             # A shifted step runs static decode shapes only, so no prefill joins it: a waiting
-            # request that could be admitted makes this a synchronous step instead.
+            # request that could be admitted makes this a synchronous step instead. (A step in
+            # flight that verifies no drafts, e.g. adaptive speculation at a large batch, shifts
+            # nothing, and admission goes on as without speculation.)
             return batch
         i = 0
         # The hot loop of steady decode (hundreds of requests per step): kept to plain arithmetic.

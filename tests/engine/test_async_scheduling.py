@@ -254,6 +254,32 @@ def test_async_steps_with_speculation_give_the_synchronous_engines_tokens(model,
     _assert_nothing_held(engine)
 
 
+def test_a_step_that_verifies_no_drafts_lets_arrivals_in_ahead(model):
+    """With speculation on but no drafts proposed (as adaptive speculation does at large
+    batches), nothing shifts: a request arriving mid-decode is admitted into a step launched
+    ahead, as without speculation, and the tokens equal the synchronous engine's."""
+    requests = _requests(model)[:4]
+    arrive = {2: 3, 3: 5}
+    spec = dict(speculative_tokens=3, adaptive_speculation=False)
+    sync = _engine(model, False, **spec)
+    sync.draft_wish = lambda batch: 0
+    want = _drive(sync, requests, arrive_at=arrive)
+    engine = _engine(model, True, **spec)
+    engine.draft_wish = lambda batch: 0
+    admitted_ahead = []
+    launch = engine.runner.launch
+
+    def counted(batch, *args, ahead=None, **kwargs):
+        if ahead is not None:
+            admitted_ahead.extend(s.request.request_id for s in batch.scheduled if s.start == 0)
+        return launch(batch, *args, ahead=ahead, **kwargs)
+
+    engine.runner.launch = counted
+    got = _drive(engine, requests, arrive_at=arrive)
+    assert [(t, r) for t, _, r in got] == [(t, r) for t, _, r in want]
+    assert set(admitted_ahead) >= {2, 3}, admitted_ahead
+
+
 def test_a_shifted_step_is_scheduled_and_updated_from_the_true_positions(model):
     """The scheduler alone, with hand-made step outputs: a verify step t in flight (3 drafts)
     is followed by step t + 1 at the earliest position after it, shifted by up to 3, its
