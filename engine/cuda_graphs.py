@@ -8,7 +8,9 @@ q = 1 (decode) and 1 + k (verify with k drafts), C a power-of-4 ladder of block 
 the model length (the entry axis of the compressed attention is C / ratio long, so short
 contexts do not pay for long ones). A live batch of n ≤ B sequences replays the smallest shape
 that fits; its rows past n are padding that touch only the dummy block. Batches larger than
-the largest size, mixed prefill/decode steps and non-uniform q run eagerly instead.
+the largest size, mixed prefill/decode steps and non-uniform q run eagerly instead. Drafting
+chains (engine/draft_chain.py) drive the q = 1 MTP shapes: k drafts and the k − 1 draft forwards
+between them, one graph per (B, k ≥ 2, sampling kind).
 
 On a GPU every shape is captured at start-up (largest first, one shared memory pool), after
 two eager warm-up runs on a side stream so that lazy initialisation (kernel compilation,
@@ -26,6 +28,8 @@ import torch
 
 from .attention_backend import StepSeq
 from .decode_batch import DecodeBatch
+from .draft_chain import KINDS as CHAIN_KINDS
+from .draft_chain import Chain, ChainStep
 from .fused_decode import FusedDecoder
 from .kv_cache import KVCache
 from .model import DeepseekV4
@@ -117,6 +121,7 @@ class StaticDecodeBackend:
         # the CPU kernels on CPU) or the torch static path (engine/attention_decode.py).
         self.fused = FusedDecoder(model) if fused else None
         self._shapes: dict[Key, _Shape] = {}
+        self._chains: dict[tuple[int, int, str], Chain] = {}  # (B, drafts, kind) → the drafting chain
         self._pool = None
         self.num_runs = 0  # static-shape steps run
         self.num_replays = 0  # of which replayed from a captured graph
@@ -158,6 +163,56 @@ class StaticDecodeBackend:
         shape = self._get(key)
         shape.batch.fill([self._row(r, shape.batch) for r in rows])
         return StaticStep(self, shape, len(rows))
+
+    # ---- drafting chains (engine/draft_chain.py) ------------------------------------------------
+    def chain_depths(self) -> list[int]:
+        """Draft counts a chain serves: those a step may propose, from 2 (one draft has no
+        draft forward)."""
+        return [q - 1 for q in self.tokens_per_seq if q - 1 >= 2] if self.draft_steps else []
+
+    def draft_chain(self, rows: list[StepSeq], num_drafts: int, kind: str) -> ChainStep | None:
+        """The chain drafting `num_drafts` tokens for these q = 1 rows (each at the smallest
+        start it may draft from), its shape's tables filled; None when none serves them."""
+        if num_drafts not in self.chain_depths():
+            return None
+        key = self.mtp_shape_for(len(rows), 1)
+        if key is None:
+            return None
+        shape = self._get(key)
+        chain = self._chain(shape, key[1], num_drafts, kind)
+        shape.batch.fill([self._row(r, shape.batch) for r in rows])
+        return ChainStep(self, chain, len(rows))
+
+    def _chain(self, shape: _Shape, size: int, num_drafts: int, kind: str) -> Chain:
+        chain = self._chains.get((size, num_drafts, kind))
+        if chain is None:
+            chain = self._chains[(size, num_drafts, kind)] = Chain.allocate(shape, num_drafts, kind,
+                                                                            self.model.cfg.vocab_size)
+            if self.capture:
+                self._capture_chain(chain)
+        return chain
+
+    @torch.inference_mode()
+    def replay_chain(self, chain: Chain) -> None:
+        self.num_runs += 1
+        if chain.graph is not None:
+            chain.graph.replay()
+            self.num_replays += 1
+        else:
+            chain.tokens, chain.probs = chain.program(self)
+
+    def _capture_chain(self, chain: Chain) -> None:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                chain.program(self)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            chain.tokens, chain.probs = chain.program(self)
+        self._pool = graph.pool()
+        chain.graph = graph
 
     def _get(self, key: Key) -> _Shape:
         shape = self._shapes.get(key)
@@ -219,6 +274,11 @@ class StaticDecodeBackend:
         free_before, t0 = torch.cuda.mem_get_info()[0], time.perf_counter()
         for key in sorted(keys, key=lambda k: k[1:], reverse=True):
             self._get(key)
+        for size in sorted(self.batch_sizes, reverse=True):  # after the shapes whose buffers they drive
+            for num_drafts in self.chain_depths():
+                for kind in CHAIN_KINDS:
+                    self._chain(self._get(("mtp", size, 1, self.buckets[0])), size, num_drafts, kind)
+        keys += list(self._chains)
         torch.cuda.synchronize()
         used = free_before - torch.cuda.mem_get_info()[0]
         # Operators size --kv-cache-memory around this: graph memory is not taken from the KV pools.

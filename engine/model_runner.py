@@ -6,10 +6,11 @@ the end of its known tokens. They are sampled and verified on the device in one 
 (keeping its own window in step with the model's) and drafts tokens for the next step by
 applying the single MTP layer to its own output — also on the device: the catch-up forward
 takes every scheduled row (rows past a request's accepted tokens compute MTP window entries
-that are overwritten before anything reads them), the draft forwards are static-shape steps
-whose positions are advanced on the device. The step then reads everything back once (one host
-sync); only when no static MTP shape holds the drafting rows does it read the acceptance counts
-first. The runner reads requests and never writes them: everything a step produced is in the
+that are overwritten before anything reads them), then the draft forwards and the draft
+sampling between them run as one static program (engine/draft_chain.py: one CUDA graph), or,
+without one (penalties, lockstep, no static shape), as static-shape steps whose positions are
+advanced on the device. The step then reads everything back once (one host sync); only when no
+static MTP shape holds the drafting rows does it read the acceptance counts first. The runner reads requests and never writes them: everything a step produced is in the
 returned `StepOutput`.
 
 Async scheduling (`launch(..., ahead=step_in_flight)`): a step may be launched before its
@@ -29,6 +30,7 @@ from . import counter_rng
 from .attention_backend import SequenceBackend, StepSeq
 from .batch import Batch, PromptScores, RequestStepOutput, ScheduledRequest, StepOutput
 from .cuda_graphs import StaticDecodeBackend, StaticStep
+from .draft_chain import chain_kind
 from .kv_cache import KVCache
 from .model import DeepseekV4
 from .sampler import SamplingRows, logprobs_of, probs_device, ranks_of, sample_device
@@ -382,6 +384,12 @@ class ModelRunner:
         greedy = all(p.greedy for p in params)
         penalized = any(p.has_penalties for p in params)
         rows_params = SamplingRows(params, [0] * len(params), [0] * len(params), self.device) if live else None
+        # Every draft in one static program (one graph replay on CUDA); not under lockstep, where
+        # each draft forward is a collective step the ranks take together (and not with penalties).
+        chain = self._draft_chain(reqs, num_drafts, rows_params) if live and not (penalized or lockstep) else None
+        if chain is not None:
+            tokens, stacked = chain.run(cur, logits, committed, seeds, rows_params)
+            return _Drafts(live, tokens, None if greedy else stacked), None
         toks, probs_per_step, host, step = [], [], None, None
         for j in range(1, num_drafts + 1):
             if live:
@@ -400,6 +408,13 @@ class ModelRunner:
             return None, host
         stacked = None if greedy else torch.stack(probs_per_step, dim=1)  # [R, k, V]
         return _Drafts(live, torch.stack(toks, dim=1), stacked), host
+
+    def _draft_chain(self, reqs: list[ScheduledRequest], num_drafts: int, rows: SamplingRows):
+        """The static drafting chain for these requests (engine/draft_chain.py), or None."""
+        if self.static is None:
+            return None
+        starts = [StepSeq(s.request.seq, s.start + 1, [0]) for s in reqs]  # start: the smallest possible
+        return self.static.draft_chain(starts, num_drafts, chain_kind(rows))
 
     def _draft_step(self, reqs: list[ScheduledRequest], committed, j: int, toks: list, sample: DeviceSample,
                     host: HostSample | None, live: list[int], filled: StaticStep | None = None):

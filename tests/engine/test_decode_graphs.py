@@ -236,3 +236,44 @@ def test_a_verify_step_fills_each_static_shape_once(model, monkeypatch):
     verify = [f for f in per_step if len(f) == 3]
     assert len(verify) >= 3, per_step
     assert all(len(f) <= 3 for f in per_step), per_step
+
+
+@pytest.mark.parametrize("kind", ["greedy", "sampled", "shaped"])
+def test_the_drafting_chain_equals_the_draft_loop(model, kind):
+    """A step's drafts through the static drafting chain (engine/draft_chain.py: every draft
+    forward and the sampling between them in one program) equal the eager loop of draft
+    forwards: the same tokens, the same acceptance at every depth, the same draft
+    distributions."""
+    params = {"greedy": SamplingParams(max_tokens=14, ignore_eos=True),
+              "sampled": SamplingParams(max_tokens=14, temperature=6.0, seed=5, ignore_eos=True),
+              "shaped": SamplingParams(max_tokens=14, temperature=6.0, top_k=40, top_p=0.9, seed=5,
+                                       ignore_eos=True)}[kind]
+    runs = {}
+    for chained in (True, False):
+        engine = Engine(model, EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, kv_cache_memory_bytes=4 << 20,
+                                            block_size=16, speculative_tokens=3, adaptive_speculation=False,
+                                            cpu_matmul_precision="fp32"))
+        if not chained:
+            engine.runner._draft_chain = lambda *args: None
+        draft_probs, draft = [], engine.runner._draft
+
+        def recorded(*args, draft=draft, draft_probs=draft_probs, **kwargs):
+            drafts, host = draft(*args, **kwargs)
+            if drafts is not None and drafts.probs is not None:
+                draft_probs.append(drafts.probs.clone())
+            return drafts, host
+
+        engine.runner._draft = recorded
+        for i in range(3):
+            engine.add_request(i, [3 + i, 40, 41, 9, 100 + i], params)
+        out = {i: [] for i in range(3)}
+        while engine.has_work:
+            for d in engine.step().deltas:
+                out[d.request_id] += d.token_ids
+        runs[chained] = out, engine.stats.spec_accepted_per_position, draft_probs, engine.static._chains
+    (chain_out, chain_acc, chain_probs, made), (loop_out, loop_acc, loop_probs, none) = runs[True], runs[False]
+    assert chain_out == loop_out and chain_acc == loop_acc
+    assert {key[2] for key in made} == {kind} and not none  # the chain ran (only) with the chained engine
+    assert len(chain_probs) == len(loop_probs) and all(torch.equal(a, b) for a, b in zip(chain_probs, loop_probs))
+    if kind != "greedy":
+        assert chain_probs and sum(chain_acc) > 0
