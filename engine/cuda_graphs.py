@@ -186,8 +186,9 @@ class StaticDecodeBackend:
     def _chain(self, shape: _Shape, size: int, num_drafts: int, kind: str) -> Chain:
         chain = self._chains.get((size, num_drafts, kind))
         if chain is None:
+            like = next((c for (s, _, _), c in self._chains.items() if s == size), None)
             chain = self._chains[(size, num_drafts, kind)] = Chain.allocate(shape, num_drafts, kind,
-                                                                            self.model.cfg.vocab_size)
+                                                                            self.model.cfg.vocab_size, like)
             if self.capture:
                 self._capture_chain(chain)
         return chain

@@ -50,11 +50,15 @@ class Chain:
     probs: torch.Tensor | None = None  # [B, k, V] (None for 'greedy')
 
     @classmethod
-    def allocate(cls, shape, num_drafts: int, kind: str, vocab: int) -> "Chain":
+    def allocate(cls, shape, num_drafts: int, kind: str, vocab: int, like: "Chain | None" = None) -> "Chain":
+        """`like`: a chain of the same shape whose input buffers this one shares (chains of one
+        B run one at a time, and [B, V] logits per chain would add up)."""
         size, device = shape.batch.num_seqs, shape.inputs.device
         # B neutral (greedy) rows; `load` overwrites the live ones each run
         rows = SamplingRows([SamplingParams()] * size, [0] * size, [0] * size, device)
         rows.all_greedy, rows.any_shaping = kind == "greedy", kind == "shaped"
+        if like is not None:
+            return cls(shape, num_drafts, kind, like.first_streams, like.first_logits, like.committed, rows)
         return cls(shape, num_drafts, kind, torch.zeros_like(shape.inputs),
                    torch.zeros(size, vocab, dtype=torch.float32, device=device),
                    torch.zeros(size, dtype=torch.long, device=device), rows)
