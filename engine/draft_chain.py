@@ -4,7 +4,7 @@ them, replayed as one CUDA graph per (batch size B, drafts k, sampling kind).
 Without it, drafting k tokens runs k − 1 replays of the q = 1 MTP shape with the draft sampling
 (softmax, shaping, noise, argmax: a few dozen kernels) eagerly between them. The chain keeps all
 of it in static buffers of its B rows — the first draft's logits and streams, each row's
-committed position (the first draft's), sampling parameters and seed — and drives the q = 1 MTP
+committed position, sampling parameters and seed — and drives the q = 1 MTP
 shape itself: its tables are filled once per step (for the smallest start, so they cover every
 draft's position) and each draft forward only moves positions and tokens, on the device.
 
@@ -43,7 +43,7 @@ class Chain:
     kind: str
     first_streams: torch.Tensor  # [B, hc, D]: the streams the first draft follows
     first_logits: torch.Tensor  # [B, V] fp32: the first draft's logits
-    committed: torch.Tensor  # [B] int64: the first draft's position (draft j at committed + j − 1)
+    committed: torch.Tensor  # [B] int64: the position of the token the drafts follow (draft j at committed + j)
     rows: SamplingRows  # static per-row parameters, [B] each
     graph: "torch.cuda.CUDAGraph | None" = None
     tokens: torch.Tensor | None = None  # [B, k] outputs of the last run
@@ -88,7 +88,8 @@ class Chain:
             probs.append(p)
             if j == self.num_drafts:
                 break
-            # draft j + 1 follows draft j at its position: advance every row, padding included
+            # the forward drafting j + 1 is the row at committed + j − 1 reading draft j (as the
+            # eager loop's StaticStep.advance): every row moves, padding included
             position = self.committed + (j - 1)
             batch.start.copy_(position)
             batch.positions.copy_(position)

@@ -152,7 +152,8 @@ class Engine:
         if ahead is None:
             batch = self.scheduler.schedule()
         else:
-            batch = self.scheduler.schedule(ahead=ahead.batch, ahead_drafts=_drafts_of(ahead) if self.runner.k else None)
+            drafts = _drafts_of(ahead) if self.runner.k else None
+            batch = self.scheduler.schedule(ahead=ahead.batch, ahead_drafts=drafts)
             if batch and not self.runner.runs_ahead(batch):
                 batch = Batch()  # e.g. no static shape holds it: step t is completed first
         if batch:
@@ -253,8 +254,11 @@ def _async_scheduling(config: EngineConfig, num_drafts: int, v41: bool, static: 
     run the synchronous step (see Engine.step, worker.py)."""
     if not config.async_scheduling:
         return False
-    why = ("DeepSeek-V4.1" if v41 else "--speculative-tokens without the static decode path" if num_drafts and not static
-           else None)
+    why = None
+    if v41:
+        why = "DeepSeek-V4.1"
+    elif num_drafts and not static:
+        why = "--speculative-tokens without the static decode path"
     if why is not None:
         logger.info("async scheduling is off: not supported with %s yet", why)
         return False

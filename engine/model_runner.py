@@ -10,8 +10,9 @@ that are overwritten before anything reads them), then the draft forwards and th
 sampling between them run as one static program (engine/draft_chain.py: one CUDA graph), or,
 without one (penalties, lockstep, no static shape), as static-shape steps whose positions are
 advanced on the device. The step then reads everything back once (one host sync); only when no
-static MTP shape holds the drafting rows does it read the acceptance counts first. The runner reads requests and never writes them: everything a step produced is in the
-returned `StepOutput`.
+static MTP shape holds the drafting rows does it read the acceptance counts first. The runner
+reads requests and never writes them: everything a step produced is in the returned
+`StepOutput`.
 
 Async scheduling (`launch(..., ahead=step_in_flight)`): a step may be launched before its
 predecessor is read back. Its placeholders (the predecessor's new token and drafts) are filled
@@ -264,7 +265,8 @@ class ModelRunner:
         return out
 
     # ---- sampling and the read back ---------------------------------------------------------------
-    def _sample(self, pending: list[_Pending], logits: torch.Tensor, flow: "_AheadInputs | None" = None) -> DeviceSample:
+    def _sample(self, pending: list[_Pending], logits: torch.Tensor,
+                flow: "_AheadInputs | None" = None) -> DeviceSample:
         if flow is None:
             return self.sampler.sample(pending, logits)
         return self.sampler.sample(pending, logits, flow.pending_shifts, flow.drafts)

@@ -116,8 +116,10 @@ def test_async_steps_give_the_synchronous_engines_tokens(model, static):
         assert engine.static.num_runs > 0  # decode steps took the static path with placeholders
 
 
-TEXTS = ["The function returns a new list of the items in the", "To open a file for reading, call the built-in function",
-         "The module provides a way of using operating system dependent", "If the argument is omitted, the default value of the"]
+TEXTS = ["The function returns a new list of the items in the",
+         "To open a file for reading, call the built-in function",
+         "The module provides a way of using operating system dependent",
+         "If the argument is omitted, the default value of the"]
 
 
 @pytest.fixture(scope="module")
