@@ -195,25 +195,13 @@ class StaticDecodeBackend:
 
     @torch.inference_mode()
     def replay_chain(self, chain: Chain) -> None:
-        self.num_runs += 1
-        if chain.graph is not None:
-            chain.graph.replay()
-            self.num_replays += 1
-        else:
-            chain.tokens, chain.probs = chain.program(self)
+        """Run a loaded chain: replay its graph, or its program eagerly when uncaptured."""
+        out = self._run(chain.graph, lambda: chain.program(self))
+        if out is not None:
+            chain.tokens, chain.probs = out
 
     def _capture_chain(self, chain: Chain) -> None:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                chain.program(self)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            chain.tokens, chain.probs = chain.program(self)
-        self._pool = graph.pool()
-        chain.graph = graph
+        chain.graph, (chain.tokens, chain.probs) = self._record(lambda: chain.program(self))
 
     def _get(self, key: Key) -> _Shape:
         shape = self._shapes.get(key)
@@ -234,12 +222,19 @@ class StaticDecodeBackend:
     @torch.inference_mode()
     def replay(self, shape: _Shape) -> None:
         """Run a filled shape: replay its graph, or its static forward eagerly when uncaptured."""
+        out = self._run(shape.graph, lambda: self._forward(shape))
+        if out is not None:
+            shape.streams, shape.logits = out
+
+    def _run(self, graph, program):
+        """Replay `graph` (its outputs stay where capture put them: None), or run `program` eagerly
+        and return its outputs."""
         self.num_runs += 1
-        if shape.graph is not None:
-            shape.graph.replay()
-            self.num_replays += 1
-        else:
-            shape.streams, shape.logits = self._forward(shape)
+        if graph is None:
+            return program()
+        graph.replay()
+        self.num_replays += 1
+        return None
 
     def _row(self, row: StepSeq, batch: DecodeBatch):
         """The part of a sequence's tables this step reads: full blocks from 0 up to the shape's
@@ -290,14 +285,19 @@ class StaticDecodeBackend:
 
     def _capture(self, shape: _Shape) -> None:
         # All-padding buffers: warm-up and capture write only the dummy block.
+        shape.graph, (shape.streams, shape.logits) = self._record(lambda: self._forward(shape))
+
+    def _record(self, program):
+        """(graph, outputs) of `program` captured in the shared pool, after two eager warm-up runs
+        on a side stream (lazy initialisation happens outside capture)."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                self._forward(shape)
+                program()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            shape.streams, shape.logits = self._forward(shape)
+            outputs = program()
         self._pool = graph.pool()
-        shape.graph = graph
+        return graph, outputs

@@ -392,15 +392,18 @@ class ModelRunner:
         if chain is not None:
             tokens, stacked = chain.run(cur, logits, committed, seeds, rows_params)
             return _Drafts(live, tokens, None if greedy else stacked), None
+        if live and penalized:  # as the target will: this step's tokens count, then each draft
+            rows_params.penalty = self.sampler.penalty_rows([s.request for s in reqs], logits.shape[-1])
         toks, probs_per_step, host, step = [], [], None, None
         for j in range(1, num_drafts + 1):
             if live:
-                if penalized:  # as the target will: this step's tokens and the drafts before count
-                    rows_params.penalty = self.sampler.penalty_rows([s.request for s in reqs], toks, logits.shape[-1])
                 probs = probs_device(logits, rows_params)
                 keys = None if greedy else counter_rng.row_keys(seeds, committed + j, counter_rng.DRAFT)
                 toks.append(sample_device(probs, keys))
                 probs_per_step.append(probs)
+                if rows_params.penalty is not None:
+                    at, counts = rows_params.penalty
+                    counts.scatter_add_(1, toks[-1][at, None], torch.ones(at.shape[0], 1, device=counts.device))
             if j == num_drafts:
                 break
             step, host = self._draft_step(reqs, committed, j, toks, sample, host, live,
@@ -415,8 +418,7 @@ class ModelRunner:
         """The static drafting chain for these requests (engine/draft_chain.py), or None."""
         if self.static is None:
             return None
-        starts = [StepSeq(s.request.seq, s.start + 1, [0]) for s in reqs]  # start: the smallest possible
-        return self.static.draft_chain(starts, num_drafts, chain_kind(rows))
+        return self.static.draft_chain(_draft_rows(reqs), num_drafts, chain_kind(rows))
 
     def _draft_step(self, reqs: list[ScheduledRequest], committed, j: int, toks: list, sample: DeviceSample,
                     host: HostSample | None, live: list[int], filled: StaticStep | None = None):
@@ -426,8 +428,7 @@ class ModelRunner:
         were filled for the smallest start), so only its positions and tokens move."""
         step = filled
         if step is None and self.static is not None and reqs:
-            rows = [StepSeq(s.request.seq, s.start + 1, [0]) for s in reqs]  # start: the smallest possible
-            step = self.static.prepare(rows, "mtp")
+            step = self.static.prepare(_draft_rows(reqs), "mtp")
         if step is not None:
             step.advance(committed + (j - 1), toks[-1])
             return step, host
@@ -439,3 +440,9 @@ class ModelRunner:
         if reqs:
             step.set_token_ids(toks[-1])
         return step, host
+
+
+def _draft_rows(reqs: list[ScheduledRequest]) -> list[StepSeq]:
+    """The q = 1 rows of the draft forwards, each at the smallest start it may draft from (its
+    tables then cover every draft position the acceptance count can lead to)."""
+    return [StepSeq(s.request.seq, s.start + 1, [0]) for s in reqs]

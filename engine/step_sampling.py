@@ -90,9 +90,9 @@ class StepSampler:
             rows.counters = rows.counters + shifts[:, None].expand(num, q_len).reshape(-1)
         drafts, num_drafts, draft_probs = self._drafts(pending, q_len - 1, vocab, drafts_ahead)
         penalized = [i for i, p in enumerate(pending) if p.sched.request.params.has_penalties]
-        slots = None
         if penalized:
-            slots, rows.penalty = self._penalties(pending, penalized, drafts, q_len, vocab)
+            at = self._pending_index(penalized)
+            slots, rows.penalty = self._penalties(pending, penalized, at, drafts, q_len, vocab)
         probs = probs_device(sel.view(num * q_len, vocab), rows).view(num, q_len, vocab)
         counter_grid = rows.counters.view(num, q_len)
         seed_grid = rows.seeds.view(num, q_len)
@@ -102,31 +102,29 @@ class StepSampler:
         emitted, accepted = verify_batch(probs, drafts, draft_probs, num_drafts, accept_u.view(num, q_len - 1),
                                          None if keys is None else keys.view(num, q_len))
         if penalized:  # the next step's (and this step's drafts') penalties count these tokens
-            self.output_counts.add(slots, emitted[self._pending_index(penalized)])
+            self.output_counts.add(slots, emitted[at])
         finite = torch.isfinite(sel).flatten(1).all(dim=-1)
         return DeviceSample(emitted, accepted, finite, self._logprobs(pending, sel, emitted))
 
-    def penalty_rows(self, reqs: list, drafted: list[torch.Tensor], vocab: int):
-        """SamplingRows.penalty for MTP draft rows: each penalized request's counts (this step's
-        tokens included) plus the drafts proposed so far (`drafted`: [R] tensors); None if no
-        request has penalties."""
+    def penalty_rows(self, reqs: list, vocab: int):
+        """SamplingRows.penalty for MTP draft rows: (rows of the penalized requests [Rp], a copy
+        of their counts [Rp, V], this step's tokens included; the drafting loop adds each draft
+        to it); None if no request has penalties."""
         penalized = [i for i, req in enumerate(reqs) if req.params.has_penalties]
         if not penalized:
             return None
-        index = self._pending_index(penalized)
-        counts = self._counts(vocab).rows(self.output_counts.slots([reqs[i] for i in penalized]))  # [Rp, V]
-        for tokens in drafted:
-            counts.scatter_add_(1, tokens[index, None], torch.ones(len(penalized), 1, device=counts.device))
-        return index, counts
+        counts = self._counts(vocab).rows(self.output_counts.slots([reqs[i] for i in penalized]))
+        return self._pending_index(penalized), counts
 
-    def _penalties(self, pending: list, penalized: list[int], drafts: torch.Tensor, q_len: int, vocab: int):
-        """(rows of `penalized` [Pp], SamplingRows.penalty): the counts row j of a request
-        penalizes with are its output counts plus its first j drafts."""
+    def _penalties(self, pending: list, penalized: list[int], at: torch.Tensor, drafts: torch.Tensor, q_len: int,
+                   vocab: int):
+        """(count rows of `penalized` [Pp], SamplingRows.penalty): the counts row j of a request
+        penalizes with are its output counts plus its first j drafts. `at`: `penalized` on the
+        device."""
         slots = self._counts(vocab).slots([pending[i].sched.request for i in penalized])
         base = self.output_counts.rows(slots)[:, None, :].expand(-1, q_len, -1)  # [Pp, Q, V]
         if q_len > 1:
-            index = self._pending_index(penalized)
-            picked = drafts[index][..., None]  # [Pp, d, 1]
+            picked = drafts[at][..., None]  # [Pp, d, 1]
             seen = torch.zeros(len(penalized), q_len - 1, vocab, device=base.device).scatter_(2, picked, 1.0).cumsum(1)
             base = base + torch.cat((torch.zeros_like(seen[:, :1]), seen), dim=1)
         rows = (_device_ints([[i * q_len + j for i in penalized for j in range(q_len)]], self.device)[0])
