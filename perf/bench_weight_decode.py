@@ -15,11 +15,14 @@ fp32 decides its speed:
          leave registers), one weight row per pass: the previous fused kernel
   fused  the current kernel (`_fp8_dot_rows`): as row1, with four weight rows per pass sharing
          each activation load (`_fp8_dot_one_row`, the batch-1 path)
-For packed MXFP4 (e2m1 pairs, a ue8m0 scale per row and 32 elements) both variants look each
-byte's two values up in a 256-entry pair table, then
-  expand  expand the row's scales into a [K] buffer and multiply, calls per row (an older kernel)
-  groups  the current kernel (kernels/cpu_quant_gemm.py `_fp4_dot_rows`): multiply group by
-          group, a loop of literal length 32, with every row's loops inside one call
+For packed MXFP4 (e2m1 pairs, a ue8m0 scale per row and 32 elements):
+  expand  a 256-entry pair table lookup per byte (both values as one uint64), the row's scales
+          expanded into a [K] buffer and multiplied, calls per row (an older kernel)
+  groups  the pair-table lookup, then the scales group by group (a loop of literal length 32),
+          every row's loops inside one call (the previous kernel)
+  split   the current kernel (kernels/cpu_quant_gemm.py `_fp4_dot_rows`): each nibble through
+          half bits into an even and an odd buffer (no table, straight vector loops), the
+          activations' even and odd columns apart
 Interleaved, medians of --repeats; outputs compared bit for bit. Cycles per weight element
 are at the clock given by --ghz (the CPU model is printed: read them as ratios across machines).
 --cold N gives every call the next of N copies of the weight (same values, own memory), so it
@@ -45,12 +48,17 @@ from numba import njit
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels.cpu_numerics import F32, U16, half_value  # noqa: E402
-from kernels.cpu_quant_gemm import (E2M1_PAIR_TABLE, E4M3_TABLE, _DOT_MATH, _fp4_dot_rows,  # noqa: E402
+from kernels.cpu_quant_gemm import (E2M1_TABLE, E4M3_TABLE, _DOT_MATH, _fp4_dot_rows,  # noqa: E402
                                     _fp8_dot_rows, scale_value, _scale_activations, e4m3_half_bits,
                                     e4m3_value)
 from perf.machine import header, set_cpu_threads  # noqa: E402
 
 BLOCK = 128
+# Both values of a packed byte b as one uint64: e2m1(b & 15) in the low 4 bytes (the first
+# element), e2m1(b >> 4) in the high ones; little-endian, as every CPU torch runs on.
+_BYTES = np.arange(256)
+E2M1_PAIR_TABLE = np.ascontiguousarray(
+    np.stack([E2M1_TABLE[_BYTES & 15], E2M1_TABLE[_BYTES >> 4]], axis=1).astype(np.float32).view(np.uint64)[:, 0])
 
 
 # ---- the previous kernels' pieces (baselines) --------------------------------------------------
@@ -151,9 +159,30 @@ def _gemv_fp4_expand(packed, scale, pair_table, a, out):
         _dot_rows(w, a, r, out)
 
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, error_model="numpy", fastmath=_DOT_MATH)
 def _gemv_fp4_groups(packed, scale, pair_table, a, out):
-    _fp4_dot_rows(packed, scale, 0, packed.shape[0], 32, pair_table, np.empty(packed.shape[1], np.uint64), a, out)
+    pairs = np.empty(packed.shape[1], np.uint64)
+    w = pairs.view(np.float32)                                      # [K]
+    groups = scale.shape[1]
+    for r in range(packed.shape[0]):
+        for j in range(packed.shape[1]):
+            pairs[j] = pair_table[packed[r, j]]
+        for g in range(groups):
+            v = scale_value(scale[r, g])
+            for j in range(32):
+                w[32 * g + j] *= v
+        for i in range(a.shape[0]):
+            acc = F32(0)
+            for j in range(w.shape[0]):
+                acc += w[j] * a[i, j]
+            out[i, r] = acc
+
+
+@njit(cache=True, error_model="numpy")
+def _gemv_fp4_split(packed, scale, a_even, a_odd, out):
+    half = packed.shape[1]
+    _fp4_dot_rows(packed, scale, 0, packed.shape[0], 32, a_even, a_odd, np.empty(half, np.float32),
+                  np.empty(half, np.float32), out)
 
 
 def _time(runs: dict, outs: dict, repeats: int) -> dict:
@@ -211,20 +240,39 @@ def main() -> None:
               + " ".join(f"{med[v] / med['fused']:11.2f}x" for v in names[:-1])
               + f"  {'identical' if same else 'DIFFER'}", flush=True)
     print("\n# MXFP4 (e2m1 pairs, a ue8m0 scale per row and 32 elements)")
-    print(f"{'N x K':>11s} {'expand cyc/el':>14s} {'groups cyc/el':>14s} {'expand/groups':>14s}  outputs")
+    fp4_names = ("expand", "groups", "split")
+    print(f"{'N x K':>11s} " + " ".join(f"{v + ' cyc/el':>13s}" for v in fp4_names) + " "
+          + " ".join(f"{v + '/split':>13s}" for v in fp4_names[:-1]) + "  outputs")
     for shape in args.shapes:
         n, k = (int(x) for x in shape.split("x"))
         packed = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8).numpy()
         scale = torch.randint(120, 130, (n, -(-k // 32)), generator=g, dtype=torch.uint8).numpy()
         a = torch.randn(1, k, generator=g).numpy()
-        outs = {v: np.empty((1, n), np.float32) for v in ("expand", "groups")}
-        runs = {"expand": lambda o: _gemv_fp4_expand(packed, scale, E2M1_PAIR_TABLE, a, o),
-                "groups": lambda o: _gemv_fp4_groups(packed, scale, E2M1_PAIR_TABLE, a, o)}
+        a_even, a_odd = np.ascontiguousarray(a[:, 0::2]), np.ascontiguousarray(a[:, 1::2])
+        outs = {v: np.empty((1, n), np.float32) for v in fp4_names}
+        copies = [(packed.copy(), scale.copy()) for _ in range(args.cold)]
+        calls = itertools.count()
+
+        def weight4():
+            return copies[next(calls) % len(copies)]
+        runs = {"expand": lambda o: _gemv_fp4_expand(*weight4(), E2M1_PAIR_TABLE, a, o),
+                "groups": lambda o: _gemv_fp4_groups(*weight4(), E2M1_PAIR_TABLE, a, o),
+                "split": lambda o: _gemv_fp4_split(*weight4(), a_even, a_odd, o)}
         med = _time(runs, outs, args.repeats)
         cyc = {v: med[v] * args.ghz * 1e9 / (n * k) for v in med}
-        print(f"{shape:>11s} {cyc['expand']:14.2f} {cyc['groups']:14.2f} {med['expand'] / med['groups']:13.2f}x  "
-              f"{'identical' if np.array_equal(outs['expand'], outs['groups']) else 'DIFFER'}", flush=True)
+        ref = packed_reference(packed, scale, a)
+        close = all(np.allclose(outs[v], ref, rtol=1e-4, atol=1e-3 * np.abs(ref).max()) for v in fp4_names)
+        print(f"{shape:>11s} " + " ".join(f"{cyc[v]:13.2f}" for v in fp4_names) + " "
+              + " ".join(f"{med[v] / med['split']:12.2f}x" for v in fp4_names[:-1])
+              + f"  {'match the fp64 product' if close else 'DIFFER'}", flush=True)
 
+
+def packed_reference(packed: np.ndarray, scale: np.ndarray, a: np.ndarray) -> np.ndarray:
+    """The MXFP4 GEMV in fp64 from the dequantized weight (the variants sum in different orders)."""
+    w = np.empty((packed.shape[0], 2 * packed.shape[1]))
+    w[:, 0::2], w[:, 1::2] = E2M1_TABLE[packed & 15], E2M1_TABLE[packed >> 4]
+    w *= np.repeat(2.0 ** (scale.astype(np.float64) - 127), 32, axis=1)[:, :w.shape[1]]
+    return (a.astype(np.float64) @ w.T).astype(np.float32)
 
 if __name__ == "__main__":
     main()
