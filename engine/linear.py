@@ -1,7 +1,7 @@
 """Weight containers of the V4 projections, in the form the checkpoint stores them.
 
 A weight [*lead, N, K] is held in one `WeightFormat`:
-  * dense — the compute dtype (or whatever a parameter was built with), `F.linear` /
+  * dense — the compute dtype (or whatever a parameter was built with), `kernels.dense_linear` /
     `F.grouped_mm`;
   * fp8   — e4m3 codes [*lead, N, K] plus one scale per (bN × bK) block
     [*lead, ceil(N/bN), ceil(K/bK)] (the release: 128×128, ue8m0);
@@ -134,8 +134,7 @@ class Linear(QuantWeight):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fmt.kind == "dense":
-            with bf16_operands(x.numel() * self.out_features):   # M·K·N
-                return F.linear(x, self.weight)
+            return kernels.dense_linear(x, self.weight)       # bf16 operands where allowed (cpu_gemv)
         flat = x.reshape(-1, x.shape[-1])  # [M, K]
         if self.fmt.kind == "fp8":
             out = kernels.fp8_linear(flat, self.weight, self.scale, self.fmt.block)  # [M, N]

@@ -8,10 +8,9 @@ verification are the same call; state is read and written by position (see seq_s
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu_precision import bf16_operands
+import kernels
 
 from .attention import Attention, StepRope
 from .config import ModelConfig
@@ -123,5 +122,4 @@ class DeepseekV4(nn.Module):
     def logits(self, streams: torch.Tensor) -> torch.Tensor:
         """[T, n, D] streams → [T, vocab] fp32 logits."""
         x = rms_norm(self.hc_head(streams, self.cfg), self.norm, self.cfg.rms_norm_eps)
-        with bf16_operands(x.numel() * self.head.shape[0]):
-            return F.linear(x, self.head).float()
+        return kernels.dense_linear(x, self.head).float()  # a decode-sized CPU product: kernels/cpu_gemv.py

@@ -13,10 +13,9 @@ its own draft token at the next position.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu_precision import bf16_operands
+import kernels
 
 from .config import ModelConfig
 from .layers import rms_norm
@@ -51,5 +50,4 @@ class MTPLayer(nn.Module):
 
     def logits(self, model: DeepseekV4, streams: torch.Tensor) -> torch.Tensor:
         x = rms_norm(self.hc_head(streams, self.cfg), self.norm, self.cfg.rms_norm_eps)
-        with bf16_operands(x.numel() * model.head.shape[0]):
-            return F.linear(x, model.head).float()
+        return kernels.dense_linear(x, model.head).float()

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cpu_kv, cpu_quant_gemm, cpu_routing
+from kernels import cpu_gemv, cpu_kv, cpu_quant_gemm, cpu_routing
 from kernels.devices import backend, decode_backend
 from kernels.formats import FORMAT_NAMES, KVFormat, get_format
 from kernels.reference import ACT_GROUP, FP4_GROUP
 
 __all__ = ["FORMAT_NAMES", "KVFormat", "get_format", "quantize", "dequantize", "quantize_scatter",
-           "gather_dequantize", "route", "permute", "act_quant_fp8", "fp8_linear", "fp4_linear",
+           "gather_dequantize", "route", "permute", "act_quant_fp8", "dense_linear", "fp8_linear", "fp4_linear",
            "fp8_grouped_mm", "fp4_grouped_mm", "norm_rope", "mhc_mix", "mhc_expand", "compressor_step",
            "indexer_topk", "sparse_mla_decode", "gather_rows", "swiglu", "moe_combine"]
 
@@ -103,6 +103,15 @@ def act_quant_fp8(x: torch.Tensor, group: int = ACT_GROUP) -> torch.Tensor:
         from kernels.triton import quant_gemm
         return quant_gemm.act_quant_fp8(x, group)
     return cpu_quant_gemm.act_quant_fp8(x, group)
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ weight [N, K]^T -> [..., N] (F.linear without bias). On CPU, decode-sized
+    fp32 products take a row kernel that streams the weight once (kernels/cpu_gemv.py); the
+    rest, and every CUDA product, is torch's."""
+    if x.is_cpu and weight.is_cpu:
+        return cpu_gemv.dense_linear(x, weight)
+    return torch.nn.functional.linear(x, weight)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (128, 128),

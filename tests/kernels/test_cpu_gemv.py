@@ -1,0 +1,100 @@
+"""kernels.dense_linear on CPU: the fp32 row kernel (kernels/cpu_gemv.py) for decode-sized
+products against a float64 product, NaN and Inf propagation, the rows it hands to torch, and
+the engine's dense projections and LM head going through it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from kernels import cpu_gemv
+
+
+def _exact(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (x.double() @ w.double().T).float()
+
+
+def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """fp32 summation error bound of x @ w^T: K · eps · sum |x| |w| (any summation order)."""
+    return x.shape[-1] * 2.0**-23 * (x.double().abs() @ w.double().abs().T).float() + 1e-30
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("n, k", [(1, 1), (7, 33), (257, 256), (1000, 96)])
+def test_row_kernel_matches_a_float64_product(m, n, k):
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    assert cpu_gemv.takes(x, w)
+    out = kernels.dense_linear(x, w)
+    assert out.shape == (m, n) and out.dtype == torch.float32
+    assert ((out - _exact(x, w)).abs() <= _bound(x, w)).all()
+
+
+def test_leading_dims_and_rows_past_the_threshold():
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(40, 24, generator=g)
+    x = torch.randn(2, 2, 24, generator=g)                      # [..., K]: 4 rows
+    out = kernels.dense_linear(x, w)
+    assert out.shape == (2, 2, 40)
+    assert ((out - _exact(x, w)).abs() <= _bound(x, w)).all()
+    many = torch.randn(cpu_gemv.DENSE_GEMV_MAX_ROWS + 1, 24, generator=g)
+    assert not cpu_gemv.takes(many, w)                          # sgemm's rows: torch's exact result
+    assert torch.equal(kernels.dense_linear(many, w), torch.nn.functional.linear(many, w))
+
+
+def test_what_goes_to_torch():
+    w = torch.randn(8, 16)
+    assert not cpu_gemv.takes(torch.randn(0, 16), w)                       # no rows
+    assert not cpu_gemv.takes(torch.randn(1, 16, dtype=torch.bfloat16), w.bfloat16())
+    assert not cpu_gemv.takes(torch.randn(1, 16), torch.randn(16, 8).T)   # a transposed view
+    assert kernels.dense_linear(torch.randn(0, 16), w).shape == (0, 8)
+    t = torch.randn(16, 8)
+    x = torch.randn(1, 16)
+    assert torch.equal(kernels.dense_linear(x, t.T), torch.nn.functional.linear(x, t.T))
+    with pytest.raises(ValueError, match="features"):
+        cpu_gemv.dense_linear(torch.randn(1, 15), w)
+
+
+def test_nan_and_inf_propagate():
+    w = torch.randn(6, 32)
+    w[1, 3] = float("nan")
+    w[2, 0] = float("inf")
+    x = torch.randn(2, 32).abs() + 0.1
+    x[1, 7] = float("nan")
+    out = kernels.dense_linear(x, w)
+    assert torch.isnan(out[0, 1]) and torch.isinf(out[0, 2])
+    assert torch.isnan(out[1]).all()                                 # a NaN activation poisons its row
+    assert torch.isfinite(out[0, [0, 3, 4, 5]]).all()
+
+
+def test_autograd_keeps_torch():
+    """Training (train/) differentiates through dense projections: with grad enabled and a
+    weight that requires it the product stays torch's; under no_grad the row kernel runs."""
+    w = torch.randn(8, 16, requires_grad=True)
+    x = torch.randn(1, 16)
+    assert not cpu_gemv.takes(x, w)
+    kernels.dense_linear(x, w).sum().backward()
+    assert w.grad is not None and torch.allclose(w.grad, x.expand(8, 16))
+    with torch.no_grad():
+        assert cpu_gemv.takes(x, w)
+        assert ((kernels.dense_linear(x, w) - _exact(x, w)).abs() <= _bound(x, w)).all()
+
+
+def test_a_dense_linear_takes_the_row_kernel(monkeypatch):
+    """engine.linear.Linear with a dense weight (the packed compressor / indexer projections, and
+    the LM head through the same op) runs the row kernel at decode sizes."""
+    from engine.linear import Linear
+    calls = []
+    real = cpu_gemv._gemv
+
+    def counting(w, a, out, per):
+        calls.append(tuple(w.shape))
+        return real(w, a, out, per)
+    monkeypatch.setattr(cpu_gemv, "_gemv", counting)
+    lin = Linear(24, 40)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(40, 24))
+    x = torch.randn(1, 24)
+    assert ((lin(x) - _exact(x, lin.weight)).abs() <= _bound(x, lin.weight)).all()
+    assert calls == [(40, 24)]
