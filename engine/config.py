@@ -408,7 +408,7 @@ class EngineConfig:
     # bf16 = every weight decoded into the compute dtype at load.
     weight_dtype: str = "auto"
     # fp32 matmuls of a CPU worker: exact, or bf16 operands with fp32 accumulation (oneDNN; auto
-    # = bf16 on CPUs with AMX). kernels/cpu_precision.py.
+    # = bf16 on CPUs with AMX or AVX512-BF16). kernels/cpu_precision.py.
     cpu_matmul_precision: str = "auto"
     # DeepSeek-V4.1's Engram tables (hashed n-gram rows, 189 GiB in the release): on the device,
     # or in host memory, looked up there and only the rows a step reads copied over.

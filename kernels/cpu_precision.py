@@ -15,12 +15,16 @@ sites ask `bf16_operands(m * k * n)`.
 
   fp32   exact fp32 products (what the parity tests compare against transformers)
   bf16   bf16 operands, fp32 accumulation, for products of BF16_MIN_MACS or more
-  auto   bf16 on CPUs with AMX (where it was measured to pay) when the compute dtype is left at
-         auto; fp32 when `--dtype fp32` was asked for (exact fp32 stays exact), for DeepSeek-V4.1
-         (whose numerics follow DeepSeek's reference GEMM by GEMM, engine/v41/numerics.py), and
-         on CPUs without AMX (oneDNN's AVX512-BF16 path is unmeasured here; AVX2 has no bf16
-         arithmetic). `--batch-invariant` refuses bf16: which path a product takes depends on
-         the step's row count.
+  auto   bf16 on CPUs with bf16 arithmetic, AMX or AVX512-BF16 (where it was measured to pay),
+         when the compute dtype is left at auto; fp32 when `--dtype fp32` was asked for (exact
+         fp32 stays exact), for DeepSeek-V4.1 (whose numerics follow DeepSeek's reference GEMM
+         by GEMM, engine/v41/numerics.py), and on CPUs without either (AVX2 has no bf16
+         arithmetic). On an AMD EPYC (Zen 4: AVX512-BF16, no AMX) the products torch hands
+         oneDNN under this setting came back exact fp32 (tests/kernels/test_cpu_precision.py
+         probes which a CPU does), yet 1.06-1.38x faster than MKL's sgemm on prefill-sized
+         shapes: the tiny V4's prefill took 0.89x / 0.95x the time at batch 1 / 16, its decode
+         steps 0.97-0.98x (perf/bench_cpu_decode.py --variants bf16-mm). `--batch-invariant`
+         refuses bf16: which path a product takes depends on the step's row count.
 
 Per process: a worker calls `apply` once, for the CPU only (on a GPU the compute dtype is bf16
 already, and its remaining fp32 matmuls, router and mHC, keep full precision). Outside a
@@ -39,6 +43,7 @@ PRECISIONS = ("auto", "fp32", "bf16")  # engine.config.CPU_MATMUL_PRECISIONS
 # lost (2x256 @ 256x8192: 309 -> 441 us) or tied (8x2048 @ 2048x256), from 8.4 M on it won
 # 1.3-1.7x (4x256 @ 256x8192, 16x2048 @ 2048x256), 3.4x on a 128-row prefill tile.
 BF16_MIN_MACS = 1 << 23
+BF16_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})   # /proc/cpuinfo flags of bf16 arithmetic
 
 _bf16_allowed = False
 
@@ -56,14 +61,14 @@ def cpu_flags() -> set[str]:
 
 
 def resolve(precision: str, dtype: str = "auto", flags: set[str] | None = None, reference_numerics: bool = False) -> str:
-    """'auto' -> 'bf16' on an AMX CPU with the compute dtype left at auto and a model without
-    reference numerics (V4.1), else 'fp32'; 'fp32' and 'bf16' stay as they are."""
+    """'auto' -> 'bf16' on a CPU with AMX or AVX512-BF16, with the compute dtype left at auto
+    and a model without reference numerics (V4.1), else 'fp32'; 'fp32' and 'bf16' stay as they are."""
     if precision not in PRECISIONS:
         raise ValueError(f"cpu matmul precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     if precision != "auto":
         return precision
-    amx = "amx_bf16" in (cpu_flags() if flags is None else flags)
-    return "bf16" if amx and dtype == "auto" and not reference_numerics else "fp32"
+    bf16_arithmetic = bool(BF16_FLAGS & (cpu_flags() if flags is None else flags))
+    return "bf16" if bf16_arithmetic and dtype == "auto" and not reference_numerics else "fp32"
 
 
 def apply(precision: str, dtype: str = "auto", reference_numerics: bool = False) -> str:

@@ -72,7 +72,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "every weight into the compute dtype at load (more memory)")
     p.add_argument("--cpu-matmul-precision", choices=["auto", "fp32", "bf16"], default="auto",
                    help="fp32 matmuls on CPU: exact (fp32), or bf16 operands with fp32 accumulation, TF32's "
-                        "role on GPUs (bf16: 3-3.5x on prefill GEMMs with AMX); auto: bf16 on CPUs with AMX unless "
+                        "role on GPUs (bf16: 3-3.5x on prefill GEMMs with AMX); auto: bf16 on CPUs with AMX or AVX512-BF16 unless "
                         "--dtype fp32 was given or the model is DeepSeek-V4.1")
     p.add_argument("--engram-tables", choices=["device", "host"], default="device",
                    help="DeepSeek-V4.1's Engram n-gram tables: on the device, or in host memory (looked up "

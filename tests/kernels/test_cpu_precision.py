@@ -25,7 +25,9 @@ from _quant_inputs import activations, fp8_weight  # noqa: E402
 @pytest.mark.parametrize("precision, dtype, flags, reference, expected", [
     ("auto", "auto", {"avx512f", "amx_bf16", "amx_tile"}, False, "bf16"),
     ("auto", "auto", {"avx512f", "amx_bf16", "amx_tile"}, True, "fp32"),  # V4.1: the reference's GEMMs
-    ("auto", "auto", {"avx512f", "avx512_bf16"}, False, "fp32"),  # AVX512-BF16 without AMX: unmeasured
+    ("auto", "auto", {"avx512f", "avx512_bf16"}, False, "bf16"),  # AVX512-BF16 without AMX (Zen 4)
+    ("auto", "auto", {"avx512f", "avx512_bf16"}, True, "fp32"),
+    ("auto", "auto", {"avx512f", "avx512_vnni"}, False, "fp32"),  # AVX-512 without bf16 arithmetic
     ("auto", "auto", {"avx2"}, False, "fp32"),
     ("auto", "fp32", {"amx_bf16"}, False, "fp32"),                 # an explicit --dtype fp32 stays exact
     ("auto", "bf16", {"amx_bf16"}, False, "fp32"),
@@ -71,6 +73,21 @@ def test_only_large_products_take_bf16_operands_and_the_setting_is_restored():
         assert torch.get_float32_matmul_precision() == "highest"
 
 
+def _torch_rounds_operands(m: int, k: int, n: int) -> bool:
+    """Whether torch's own fp32 matmul of this shape takes bf16 operands under 'medium' on this
+    CPU. Where oneDNN has bf16 arithmetic for it (AMX Xeons) it does; on an AMD EPYC (Zen 4,
+    AVX512-BF16 without AMX) oneDNN was seen to compute exactly in fp32 (and faster than sgemm)."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g).bfloat16().float()
+    torch.set_float32_matmul_precision("medium")
+    try:
+        out = (x @ w.T).double()
+    finally:
+        torch.set_float32_matmul_precision("highest")
+    magnitude = x.double().abs() @ w.double().abs().T
+    return float(((out - x.double() @ w.double().T).abs() / magnitude).max()) > 1e-5
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_tiled_fp8_gemm_under_each_precision(precision, monkeypatch):
     monkeypatch.setattr(cpu_quant_gemm, "GEMV_MAX_ROWS", 0)          # the tiled path (tile decode + mm)
@@ -84,8 +101,8 @@ def test_tiled_fp8_gemm_under_each_precision(precision, monkeypatch):
     exact = x.double() @ w.T
     bf16_operands = x.bfloat16().double() @ w.T                     # w is exact in bf16 as well
     fp32_bound = 2 * 256 * 2.0**-24 * magnitude + 1e-30
-    if precision == "fp32" or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        assert bool(((out - exact).abs() <= fp32_bound).all())
+    if precision == "fp32" or not _torch_rounds_operands(96, 256, 512):
+        assert bool(((out - exact).abs() <= fp32_bound).all())    # torch's matmul stays fp32 here
     else:
         assert bool(((out - bf16_operands).abs() <= fp32_bound).all())
         assert float(((out - exact).abs() / magnitude).max()) > 1e-4  # bf16 rounding, not fp32's
@@ -111,4 +128,6 @@ def test_a_prefill_with_bf16_operands_stays_near_the_exact_logits(checkpoint_fac
     with cpu_precision.matmul_precision("bf16"):
         fast = _prefill_logits(model, tokens)
     err = float((fast - exact).abs().max() / exact.abs().max())
-    assert 1e-5 < err < 3e-2, err                                   # bf16's rounding: present, and bounded
+    assert err < 3e-2, err                                          # bf16's rounding: bounded
+    if _torch_rounds_operands(40, 256, 256):                          # the tiny model's products
+        assert err > 1e-5, err                                      # and present where torch rounds
