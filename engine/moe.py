@@ -7,7 +7,6 @@ expert's projections are `Linear`s (FP8 in the release)."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import kernels
@@ -41,7 +40,7 @@ class MoE(nn.Module):
     def route(self, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights fp32 [T, k], logical expert ids int32 [T, k]) for x [T, H]."""
         cfg = self.cfg
-        logits = F.linear(x.float(), self.gate.float())  # [T, E] fp32
+        logits = kernels.dense_linear(x.float(), self.gate.float(), allow_bf16=False)  # [T, E] fp32, exact
         return kernels.route(
             logits,
             None if self.hash_routing else self.gate_bias.float(),

@@ -105,12 +105,13 @@ def act_quant_fp8(x: torch.Tensor, group: int = ACT_GROUP) -> torch.Tensor:
     return cpu_quant_gemm.act_quant_fp8(x, group)
 
 
-def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, allow_bf16: bool = True) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T -> [..., N] (F.linear without bias). On CPU, decode-sized
     fp32 products take a row kernel that streams the weight once (kernels/cpu_gemv.py); the
-    rest, and every CUDA product, is torch's."""
+    rest, and every CUDA product, is torch's (on CPU with bf16 operands where
+    kernels/cpu_precision.py allows them, unless allow_bf16 is False)."""
     if x.is_cpu and weight.is_cpu:
-        return cpu_gemv.dense_linear(x, weight)
+        return cpu_gemv.dense_linear(x, weight, allow_bf16)
     return torch.nn.functional.linear(x, weight)
 
 

@@ -57,9 +57,12 @@ def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))  # training: autograd
 
 
-def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., K] @ weight [N, K]^T -> [..., N] in x's dtype, for CPU tensors."""
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, allow_bf16: bool = True) -> torch.Tensor:
+    """x [..., K] @ weight [N, K]^T -> [..., N] in x's dtype, for CPU tensors. allow_bf16=False
+    keeps torch's products exact fp32 whatever kernels/cpu_precision.py allows (the router)."""
     if not takes(x, weight):
+        if not allow_bf16:
+            return F.linear(x, weight)
         with bf16_operands(x.numel() * weight.shape[0]):           # M·K·N
             return F.linear(x, weight)
     if x.shape[-1] != weight.shape[1]:

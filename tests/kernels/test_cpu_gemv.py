@@ -98,3 +98,22 @@ def test_a_dense_linear_takes_the_row_kernel(monkeypatch):
     x = torch.randn(1, 24)
     assert ((lin(x) - _exact(x, lin.weight)).abs() <= _bound(x, lin.weight)).all()
     assert calls == [(40, 24)]
+
+
+def test_allow_bf16_false_keeps_torchs_products_exact(monkeypatch):
+    """The router asks for exact products: past the row kernel's rows they stay fp32 even where
+    kernels/cpu_precision.py allows bf16 operands."""
+    from kernels import cpu_precision
+    monkeypatch.setattr(cpu_precision, "BF16_MIN_MACS", 0)
+    seen = []
+    real = torch.nn.functional.linear
+
+    def spying(x, w):
+        seen.append(torch.get_float32_matmul_precision())
+        return real(x, w)
+    monkeypatch.setattr(cpu_gemv.F, "linear", spying)
+    x, w = torch.randn(8, 16), torch.randn(4, 16)
+    with cpu_precision.matmul_precision("bf16"):
+        kernels.dense_linear(x, w, allow_bf16=False)
+        kernels.dense_linear(x, w)
+    assert seen == ["highest", "medium"]
