@@ -171,11 +171,7 @@ def _gemv_fp4_groups(packed, scale, pair_table, a, out):
             v = scale_value(scale[r, g])
             for j in range(32):
                 w[32 * g + j] *= v
-        for i in range(a.shape[0]):
-            acc = F32(0)
-            for j in range(w.shape[0]):
-                acc += w[j] * a[i, j]
-            out[i, r] = acc
+        _dot_rows(w, a, r, out)
 
 
 @njit(cache=True, error_model="numpy")
