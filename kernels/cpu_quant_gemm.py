@@ -184,27 +184,29 @@ def _scale_activations(a, srow, block_k, dst):
 def _fp8_dot_one_row(codes, r0, r1, scaled, out):
     """out[0, r] = e4m3 row codes[r] · scaled[0] for r in [r0, r1): one activation row (a batch-1
     decode step). Four weight rows per pass share each activation load and keep four weight
-    streams in flight. On weights read from L3 or memory, as in a decode step, that was 1.3-1.5x
-    faster than one row per pass (a Xeon, cycling through 24 distinct 8192x256 weights: 0.58 ->
-    0.40 ms a call). Each row's sum keeps the one-row loop's vector order (tested)."""
+    streams in flight: on weights read from L3 or memory, as in a decode step, 1.3-1.5x faster
+    than one row per pass (a Xeon, cycling through 24 distinct 8192x256 weights: 0.58 -> 0.40
+    ms a call). The four rows are a quarter of the range apart, not adjacent: adjacent rows of
+    512 bytes or more put two or more streams in one 4 KiB page, which the hardware prefetchers
+    follow badly (on a Zen 4, adjacent rows ran 5.6-7.3 GB/s at K = 512-2048 against 10-13.5
+    GB/s a quarter apart, and equal at K = 256; perf/bench_weight_decode.py). Each row's sum
+    keeps the one-row loop's vector order (tested)."""
     k = scaled.shape[1]
-    r = r0
-    while r + 3 < r1:
+    q = (r1 - r0) // 4
+    for r in range(r0, r0 + q):
         acc0, acc1, acc2, acc3 = F32(0), F32(0), F32(0), F32(0)
         for j in range(k):
             x = scaled[0, j]
             acc0 += half_value(e4m3_half_bits(codes[r, j])) * x
-            acc1 += half_value(e4m3_half_bits(codes[r + 1, j])) * x
-            acc2 += half_value(e4m3_half_bits(codes[r + 2, j])) * x
-            acc3 += half_value(e4m3_half_bits(codes[r + 3, j])) * x
-        out[0, r], out[0, r + 1], out[0, r + 2], out[0, r + 3] = acc0, acc1, acc2, acc3
-        r += 4
-    while r < r1:
+            acc1 += half_value(e4m3_half_bits(codes[r + q, j])) * x
+            acc2 += half_value(e4m3_half_bits(codes[r + 2 * q, j])) * x
+            acc3 += half_value(e4m3_half_bits(codes[r + 3 * q, j])) * x
+        out[0, r], out[0, r + q], out[0, r + 2 * q], out[0, r + 3 * q] = acc0, acc1, acc2, acc3
+    for r in range(r0 + 4 * q, r1):
         acc = F32(0)
         for j in range(k):
             acc += half_value(e4m3_half_bits(codes[r, j])) * scaled[0, j]
         out[0, r] = acc
-        r += 1
 
 
 @njit(cache=True, error_model="numpy", fastmath=_DOT_MATH)

@@ -13,8 +13,10 @@ fp32 decides its speed:
          NaN codes picked by a compare and select): eight vector ops per 8 codes instead of five
   row1   the half decode inside the dot product, no row buffer (the decoded weights never
          leave registers), one weight row per pass: the previous fused kernel
-  fused  the current kernel (`_fp8_dot_rows`): as row1, with four weight rows per pass sharing
-         each activation load (`_fp8_dot_one_row`, the batch-1 path)
+  adj4   as row1, with four adjacent weight rows per pass sharing each activation load: the
+         previous batch-1 kernel
+  fused  the current kernel (`_fp8_dot_rows`): as adj4, with the four rows a quarter of each
+         128-row block apart (`_fp8_dot_one_row`, the batch-1 path)
 For packed MXFP4 (e2m1 pairs, a ue8m0 scale per row and 32 elements):
   expand  a 256-entry pair table lookup per byte (both values as one uint64), the row's scales
           expanded into a [K] buffer and multiplied, calls per row (an older kernel)
@@ -138,6 +140,31 @@ def _gemv_row_by_row(half_bits, codes, scale, a, out):
         out[0, r] = acc
 
 
+@njit(cache=True, error_model="numpy", fastmath={"reassoc", "contract"})
+def _gemv_adjacent4(codes, scale, a, out):
+    """The half decode inside the dot product, four adjacent weight rows per pass."""
+    scaled = np.empty(a.shape, np.float32)
+    for r0 in range(0, codes.shape[0], BLOCK):
+        _scale_activations(a, scale[r0 // BLOCK], BLOCK, scaled)
+        r1 = min(r0 + BLOCK, codes.shape[0])
+        r = r0
+        while r + 3 < r1:
+            acc0, acc1, acc2, acc3 = F32(0), F32(0), F32(0), F32(0)
+            for j in range(codes.shape[1]):
+                x = scaled[0, j]
+                acc0 += half_value(e4m3_half_bits(codes[r, j])) * x
+                acc1 += half_value(e4m3_half_bits(codes[r + 1, j])) * x
+                acc2 += half_value(e4m3_half_bits(codes[r + 2, j])) * x
+                acc3 += half_value(e4m3_half_bits(codes[r + 3, j])) * x
+            out[0, r], out[0, r + 1], out[0, r + 2], out[0, r + 3] = acc0, acc1, acc2, acc3
+            r += 4
+        for rr in range(r, r1):
+            acc = F32(0)
+            for j in range(codes.shape[1]):
+                acc += half_value(e4m3_half_bits(codes[rr, j])) * scaled[0, j]
+            out[0, rr] = acc
+
+
 @njit(cache=True, error_model="numpy")
 def _gemv_fused(codes, scale, a, out):
     scaled = np.empty(a.shape, np.float32)
@@ -196,7 +223,7 @@ def _time(runs: dict, outs: dict, repeats: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", nargs="+", default=["4096x2048", "8192x256", "2048x5120"])
+    parser.add_argument("--shapes", nargs="+", default=["4096x2048", "8192x256", "256x2048", "2048x5120"])
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--ghz", type=float, default=2.0)
     parser.add_argument("--cold", type=int, default=1, metavar="N", help="cycle through N copies of each weight")
@@ -206,7 +233,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     print(f"# one thread; medians of {args.repeats} interleaved rounds; cycles at {args.ghz} GHz; "
           f"{args.cold} cop{'y' if args.cold == 1 else 'ies'} of each weight")
-    names = ("table", "arith", "half", "select", "row1", "fused")
+    names = ("table", "arith", "half", "select", "row1", "adj4", "fused")
     print(f"{'N x K':>11s} " + " ".join(f"{v + ' cyc/el':>13s}" for v in names) + " "
           + " ".join(f"{v + '/fused':>12s}" for v in names[:-1]) + "  outputs")
     for shape in args.shapes:
@@ -228,6 +255,7 @@ def main() -> None:
                 "half": lambda o: _gemv_half(*weight(), a, o),
                 "select": lambda o: _gemv_row_by_row(_half_bits_select, *weight(), a, o),
                 "row1": lambda o: _gemv_row_by_row(e4m3_half_bits, *weight(), a, o),
+                "adj4": lambda o: _gemv_adjacent4(*weight(), a, o),
                 "fused": lambda o: _gemv_fused(*weight(), a, o)}
         med = _time(runs, outs, args.repeats)
         same = all(np.array_equal(outs["table"], outs[v]) for v in names)
