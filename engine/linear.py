@@ -119,6 +119,18 @@ class QuantWeight(nn.Module):
         self.scale = scale
         self.fmt, self.lead = fmt, lead
 
+    def cpu_prepared(self, weight: torch.Tensor, scale: torch.Tensor):
+        """kernels.prepare_quant_weight of this module's quantized storage (weight and scale as
+        given: the storage itself or a view of it), kept until that storage is replaced
+        (set_format, packing, a device move); None off CPU. Decode-sized CPU products through it
+        cost the kernel, not the generic entry points' per-call checks."""
+        cached = self.__dict__.get("_cpu_prepared")
+        if cached is not None and cached.views(weight, scale):
+            return cached
+        cached = kernels.prepare_quant_weight(weight, scale, self.fmt.kind, self.fmt.block)
+        self.__dict__["_cpu_prepared"] = cached             # a plain attribute: not state, not a child
+        return cached
+
     @property
     def num_params(self) -> int:
         """Logical weight elements (N·K per leading index), whatever the storage."""
@@ -136,10 +148,14 @@ class Linear(QuantWeight):
         if self.fmt.kind == "dense":
             return kernels.dense_linear(x, self.weight)       # bf16 operands where allowed (cpu_gemv)
         flat = x.reshape(-1, x.shape[-1])  # [M, K]
-        if self.fmt.kind == "fp8":
-            out = kernels.fp8_linear(flat, self.weight, self.scale, self.fmt.block)  # [M, N]
+        weight, scale = self.weight, self.scale
+        prepared = self.cpu_prepared(weight, scale) if weight.is_cpu else None
+        if prepared is not None and prepared.takes(flat):
+            out = prepared.linear(flat)  # [M, N] fp32, as the entry points below compute it
+        elif self.fmt.kind == "fp8":
+            out = kernels.fp8_linear(flat, weight, scale, self.fmt.block)  # [M, N]
         else:
-            out = kernels.fp4_linear(flat, self.weight, self.scale, group=self.fmt.block[1])
+            out = kernels.fp4_linear(flat, weight, scale, group=self.fmt.block[1])
         return out.view(*x.shape[:-1], self.out_features)
 
 
@@ -165,7 +181,10 @@ class GroupedLinear(Linear):
         ends = torch.arange(1, g + 1, dtype=torch.int32, device=x.device) * t  # [G] cumulative row ends
         weight = self.weight.view(g, o, -1)  # [G, O, I or I/2]
         scale = self.scale.view(g, -1, self.scale.shape[-1])  # [G, O/bN, ...]
-        if self.fmt.kind == "fp8":
+        prepared = self.cpu_prepared(weight, scale) if weight.is_cpu else None
+        if prepared is not None and prepared.takes(rows):
+            out = prepared.grouped(rows, ends)  # [G·T, O] fp32
+        elif self.fmt.kind == "fp8":
             out = kernels.fp8_grouped_mm(rows, weight, scale, ends, self.fmt.block)  # [G·T, O]
         else:
             out = kernels.fp4_grouped_mm(rows, weight, scale, ends, group=self.fmt.block[1])
@@ -182,9 +201,13 @@ class GroupedWeight(QuantWeight):
         """Rows [ends[s-1], ends[s]) of x [S, K] through slot s: → [S, N]; ends int32 [L]."""
         if self.fmt.kind == "dense":
             return F.grouped_mm(x, self.weight.transpose(1, 2), offs=ends)
+        weight, scale = self.weight, self.scale
+        prepared = self.cpu_prepared(weight, scale) if weight.is_cpu else None
+        if prepared is not None and prepared.takes(x) and ends.is_cpu:
+            return prepared.grouped(x, ends)  # fp32, as the entry points below compute it
         if self.fmt.kind == "fp8":
-            return kernels.fp8_grouped_mm(x, self.weight, self.scale, ends, self.fmt.block)
-        return kernels.fp4_grouped_mm(x, self.weight, self.scale, ends, group=self.fmt.block[1])
+            return kernels.fp8_grouped_mm(x, weight, scale, ends, self.fmt.block)
+        return kernels.fp4_grouped_mm(x, weight, scale, ends, group=self.fmt.block[1])
 
     def relayout(self) -> None:
         """On CPU a dense stack is stored so that its [L, K, N] transpose is contiguous (what CPU

@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cpu_gemv, cpu_kv, cpu_quant_gemm, cpu_routing
+from kernels import cpu_gemv, cpu_kv, cpu_prepared_gemm, cpu_quant_gemm, cpu_routing
 from kernels.devices import backend, decode_backend
 from kernels.formats import FORMAT_NAMES, KVFormat, get_format
 from kernels.reference import ACT_GROUP, FP4_GROUP
 
 __all__ = ["FORMAT_NAMES", "KVFormat", "get_format", "quantize", "dequantize", "quantize_scatter",
            "gather_dequantize", "route", "permute", "act_quant_fp8", "dense_linear", "fp8_linear", "fp4_linear",
-           "fp8_grouped_mm", "fp4_grouped_mm", "norm_rope", "mhc_mix", "mhc_expand", "compressor_step",
-           "indexer_topk", "sparse_mla_decode", "gather_rows", "swiglu", "moe_combine"]
+           "fp8_grouped_mm", "fp4_grouped_mm", "prepare_quant_weight", "norm_rope", "mhc_mix", "mhc_expand",
+           "compressor_step", "indexer_topk", "sparse_mla_decode", "gather_rows", "swiglu", "moe_combine"]
 
 
 def _cupy(op: str, **tensors: torch.Tensor | None) -> bool:
@@ -161,6 +161,17 @@ def fp4_grouped_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, o
         from kernels.triton import quant_gemm
         return quant_gemm.fp4_grouped_mm(x, packed, scale, offsets, act_quant, out_dtype, group, act_group)
     return cpu_quant_gemm.fp4_grouped_mm(x, packed, scale, offsets, act_quant, out_dtype, group, act_group)
+
+
+def prepare_quant_weight(weight: torch.Tensor, scale: torch.Tensor, kind: str,
+                         block: tuple[int, int]) -> cpu_prepared_gemm.PreparedQuantWeight | None:
+    """An FP8 ('fp8', block (bN, bK)) or packed FP4 ('fp4', block (1, group)) weight [N, K] or
+    expert stack [E, N, K] checked once for decode-sized CPU products whose per-call cost is the
+    kernel's (kernels/cpu_prepared_gemm.py); None for CUDA weights, whose products stay the
+    entry points above."""
+    if not (weight.is_cpu and scale.is_cpu):
+        return None
+    return cpu_prepared_gemm.PreparedQuantWeight(weight, scale, kind, block)
 
 
 # ---- the fused decode step ------------------------------------------------------------------

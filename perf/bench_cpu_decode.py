@@ -10,6 +10,9 @@ in one step, then --steps decode steps; ms per decode step, and ms for that pref
   per-seq  decode steps on the per-sequence path (`static_decode=False`, engine/attention.py's
            SequenceContext: torch ops per sequence and layer)
   tiled    as default, every GEMM on the tiled path (tile decode + sgemm)
+  generic  as default, the quantized products through the generic kernel entry points instead
+           of the weights prepared once (kernels/cpu_prepared_gemm.py): what the per-call
+           checks and views cost
   bf16     as default with `--weight-dtype bf16`: every weight decoded once at load (2-4x the memory)
   bf16-mm  as default with `--cpu-matmul-precision bf16` (kernels/cpu_precision.py): torch's fp32
            matmuls multiply bf16 operands with fp32 accumulation (oneDNN); what `ringserve serve`
@@ -34,6 +37,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.linear import QuantWeight
 from engine.weights import load_model
 from ipc.messages import SamplingParams
 from kernels import cpu_decode, cpu_quant_gemm
@@ -41,7 +45,7 @@ from kernels.cpu_precision import matmul_precision
 from perf.bench_quant_gemm import tiled
 from perf.machine import header, set_cpu_threads
 
-VARIANTS = ["default", "ref-ops", "per-seq", "tiled", "bf16", "bf16-mm"]
+VARIANTS = ["default", "ref-ops", "per-seq", "tiled", "generic", "bf16", "bf16-mm"]
 
 
 def step_ms(model, batch: int, prompt_len: int, steps: int, static: bool = True) -> tuple[float, float]:
@@ -65,6 +69,17 @@ def step_ms(model, batch: int, prompt_len: int, steps: int, static: bool = True)
 
 
 @contextlib.contextmanager
+def generic_products():
+    """No prepared CPU weights: every quantized product through the generic entry points."""
+    saved = QuantWeight.cpu_prepared
+    QuantWeight.cpu_prepared = lambda self, weight, scale: None
+    try:
+        yield
+    finally:
+        QuantWeight.cpu_prepared = saved
+
+
+@contextlib.contextmanager
 def reference_ops():
     """kernels/cpu_decode.py's ops replaced by the torch references they were checked against."""
     from kernels import decode_reference as ref
@@ -85,6 +100,9 @@ def run_variant(name: str, models: dict, batch: int, args) -> tuple[float, float
                        static=name != "per-seq")
     if name == "ref-ops":
         with reference_ops():
+            return run()
+    if name == "generic":
+        with generic_products():
             return run()
     if name == "bf16-mm":
         with matmul_precision("bf16"):
