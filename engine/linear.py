@@ -119,6 +119,13 @@ class QuantWeight(nn.Module):
         self.scale = scale
         self.fmt, self.lead = fmt, lead
 
+    def __setattr__(self, name: str, value) -> None:
+        if name in ("weight", "scale"):
+            # A replaced storage drops its preparation at once: the prepared numpy views keep
+            # the storage they view alive (packing would otherwise hold the unpacked copies).
+            self.__dict__.pop("_cpu_prepared", None)
+        super().__setattr__(name, value)
+
     def cpu_prepared(self, weight: torch.Tensor, scale: torch.Tensor):
         """kernels.prepare_quant_weight of this module's quantized storage (weight and scale as
         given: the storage itself or a view of it), kept until that storage is replaced

@@ -181,3 +181,19 @@ def test_grouped_containers_match_the_generic_products(kind):
     ends = torch.tensor([2, 2, 7], dtype=torch.int32)
     assert same_bits(experts.grouped_mm(x, ends), generic_grouped(kind, x, experts.weight, experts.scale,
                                                                   fmt.block, ends))
+
+
+def test_replacing_the_storage_releases_the_preparation():
+    """The prepared views keep the storage they view alive: assigning a new weight or scale must
+    drop them (packing replaces a member's weight by a view of the packed one)."""
+    import gc
+    import weakref
+
+    lin, _ = _quantized_linear("fp8", 32, 64, gen(11))
+    lin(activations(1, 64, gen(12)))
+    old = weakref.ref(lin.weight)
+    assert lin.__dict__.get("_cpu_prepared") is not None
+    lin.weight = torch.nn.Parameter(lin.weight.clone(), requires_grad=False)
+    assert "_cpu_prepared" not in lin.__dict__
+    gc.collect()
+    assert old() is None
