@@ -176,6 +176,9 @@ def instrumented(counter: LaunchCounter, kernel_types: list[type]):
                           ("compressor_step", _compressor_traffic(counter)),
                           ("norm_rope", _store_traffic(counter))):
         patch(kernels, name, lambda fn, t=traffic: _with_traffic(fn, t, counter))
+    # The GPU has no prepared CPU weights (kernels/cpu_prepared_gemm.py): every quantized product
+    # goes through the kernels.* entry points counted above, as it launches there.
+    patch(linear.QuantWeight, "cpu_prepared", lambda fn: (lambda self, weight, scale: None))
     patch(linear.Linear, "forward", lambda fn: _with_weight_bytes(fn, counter))
     patch(linear.GroupedWeight, "grouped_mm", lambda fn: _with_weight_bytes(fn, counter, grouped=True))
     try:

@@ -114,3 +114,24 @@ def test_bench_counts_one_launch_per_fused_kernel(models):
     assert 0 < fused.read["fused"] <= 1.5 * need < static.read["static"]
     # the two tokens of a sequence share one attention program: its window read once, not twice
     assert fused.read["attention_l2"] < 0.75 * fused.read["attention_l2_per_token"]
+
+
+def test_bench_counts_a_quantized_product_as_one_launch():
+    """The bench counts the path the GPU runs, which has no prepared CPU weights
+    (kernels/cpu_prepared_gemm.py): under its instrumentation a quantized Linear on CPU still goes
+    through kernels.fp8_linear, one counted launch."""
+    from engine.linear import Linear, WeightFormat
+    from perf.bench_gpu_ops import LaunchCounter, instrumented
+
+    lin = Linear(64, 32)
+    lin.set_format(WeightFormat.fp8((16, 32)))
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(32, 64).to(torch.float8_e4m3fn))
+        lin.scale.copy_(torch.ones(2, 2).to(torch.float8_e8m0fnu))
+    x = torch.randn(1, 64)
+    want = lin(x)                                               # prepared on CPU, outside the bench
+    counter = LaunchCounter([])
+    with instrumented(counter, []), counter:
+        got = lin(x)
+    assert sum(sum(c.values()) for c in counter.launches.values()) == 1
+    assert torch.equal(got, want)
