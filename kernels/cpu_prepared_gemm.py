@@ -89,7 +89,7 @@ class PreparedQuantWeight:
         out = torch.zeros(s, self.n)                        # [S, N]
         if s == 0:
             return out
-        ends_np = ends.numpy()
+        ends_np = ends.to(torch.int64).numpy()              # int32 ends would compile a second variant
         per = q._rows_per_task(self.n * min(s, num_experts))  # at most min(S, E) experts have rows
         if self.kind == "fp8":
             heavy = q._fp8_grouped_gemv(self.codes, self.scales, self.block[0], self.block[1], x.numpy(), ends_np,
