@@ -19,3 +19,6 @@ if [ -n "$EXTRAS" ]; then
 else
   .venv/bin/python -m pip install --quiet -e .
 fi
+# Compile the CPU kernels into numba's cache now (server/warm_kernels.py): otherwise the first
+# serve waits ~45 s for the compiler, in every worker at once. A warm cache makes this ~15 s.
+.venv/bin/ringserve warm-kernels

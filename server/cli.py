@@ -1,4 +1,5 @@
-"""The `ringserve` command line: make-model, generate, kv-report, memory-report, train-builtin, serve, bench.
+"""The `ringserve` command line: make-model, generate, kv-report, memory-report, train-builtin, serve, bench,
+warm-kernels.
 
 Every user error (bad flag value, unreadable checkpoint, invalid sampling parameter) ends as
 one line `ringserve: error: …` on stderr and exit status 2, never a traceback.
@@ -216,7 +217,23 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: from the serve flags)")
     p.add_argument("serve_args", nargs=argparse.REMAINDER, help="flags for ringserve serve (or proxy)")
     p.set_defaults(func=_cmd_systemd_unit)
+    p = sub.add_parser("warm-kernels", help="compile the CPU kernels into numba's cache now (scripts/setup.sh runs "
+                       "it), so that a first serve does not wait for the compiler")
+    p.add_argument("model_dirs", nargs="*", type=Path,
+                   help="checkpoints to warm (default: the built-in model and tiny V4 / V4.1 release-format ones)")
+    p.set_defaults(func=_cmd_warm_kernels)
     return parser
+
+
+def _cmd_warm_kernels(args: argparse.Namespace) -> int:
+    from server.warm_kernels import warm_all
+
+    for d in args.model_dirs:
+        if not d.is_dir():
+            raise CliError(f"{d}: not a directory")
+    for model_dir, seconds in warm_all(args.model_dirs):
+        print(f"warmed the CPU kernels of {model_dir} in {seconds:.1f} s", flush=True)
+    return 0
 
 
 def _cmd_make_model(args: argparse.Namespace) -> int:

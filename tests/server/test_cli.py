@@ -159,3 +159,10 @@ def test_ctrl_c_during_dp_generate_stops_workers_cleanly(tiny_dir, tmp_path):
     left = subprocess.run(["pgrep", "-a", "-g", str(proc.pid)], capture_output=True, text=True).stdout
     assert left == "", left
     assert not [n for n in list_segments() if n.startswith(f"rsring-{proc.pid}-")]
+
+
+def test_warm_kernels_serves_each_checkpoint_and_names_a_missing_one(tiny_dir, tmp_path):
+    proc = ringserve("warm-kernels", str(tiny_dir))
+    assert proc.stdout.startswith(f"warmed the CPU kernels of {tiny_dir} in "), proc.stdout
+    missing = ringserve("warm-kernels", str(tmp_path / "nope"), check=False)
+    assert missing.returncode == 2 and missing.stderr.strip() == f"ringserve: error: {tmp_path / 'nope'}: not a directory"
