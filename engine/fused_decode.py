@@ -15,6 +15,8 @@ kernels on CPU), per layer:
            inverse RoPE of the output; wo_a; wo_b                                   1 + 2 GEMMs
   MoE      gate GEMM, route, permute, gather, w13, SwiGLU, w2; shared [w1 | w3],
            SwiGLU, w2; combine (weights, unpermute, sum, + shared)                  11
+           (on CPU, decode-sized: gate GEMM, then kernels/cpu_moe_decode.py's two
+           numba calls around one SwiGLU over the routed and shared rows)            4
 The per-step slot tables are built once (engine/step_meta.py). Projections sharing an input are
 packed into one GEMM (engine/packed_linear.py) when their formats allow it.
 """
@@ -24,6 +26,7 @@ from __future__ import annotations
 import torch
 
 import kernels
+from kernels.cpu_moe_decode import DecodeMoE
 
 from .decode_batch import DecodeBatch
 from .layers import rms_norm
@@ -67,6 +70,10 @@ class _AttentionPlan:
 class FusedDecoder:
     """The fused decode forward of one model (its packed projections are built once)."""
 
+    # Decode-sized CPU MoE layers through kernels/cpu_moe_decode.py (False: op by op; the bench's
+    # baseline, same bits)
+    cpu_moe = True
+
     def __init__(self, model):
         self.model = model
         cfg = model.cfg
@@ -75,6 +82,7 @@ class FusedDecoder:
         self.shared = [PackedLinear([b.ffn.shared_w1, b.ffn.shared_w3]) if cfg.n_shared_experts else None
                        for b in blocks]
         self.spans = compressor_spans(cfg, range(cfg.num_layers))
+        self._moe_kernels: dict[int, tuple[list, DecodeMoE | None]] = {}
         # Test/bench hook: called with the layer index before each layer, None after the last.
         self.on_layer = None
 
@@ -199,6 +207,12 @@ class FusedDecoder:
         if moe.parallel is not None or not moe.experts.holds_all:
             return moe(x, token_ids)  # expert parallelism: its own dispatch
         cfg = moe.cfg
+        fused = self._cpu_moe(index, moe) if self.cpu_moe and x.is_cpu else None
+        if fused is not None and fused.takes(x):
+            logits = kernels.dense_linear(x, moe.gate.float(), allow_bf16=False)  # [T, E], as MoE.route
+            hashed = moe.hash_routing
+            return fused(x, logits, None if hashed else moe.gate_bias.float(), token_ids if hashed else None,
+                         moe.tid2eid if hashed else None, kernels.swiglu)
         k = cfg.num_experts_per_tok
         weights, expert_ids = moe.route(x, token_ids)  # [T, k] fp32, int32
         _, offsets, order, inverse = kernels.permute(expert_ids, cfg.n_routed_experts)
@@ -212,6 +226,28 @@ class FusedDecoder:
             act = kernels.swiglu(_adjacent(gate, up), cfg.swiglu_limit)
             shared = moe.shared_w2(act)
         return kernels.moe_combine(y, weights, inverse, shared, x.dtype)
+
+    def _cpu_moe(self, index: int, moe) -> DecodeMoE | None:
+        """The layer's DecodeMoE over its prepared CPU weights (rebuilt when one was re-prepared:
+        a replaced weight or scale), None when its formats do not fit one."""
+        experts, packed = moe.experts, self.shared[index]
+        mods = [experts.w13, experts.w2]
+        if packed is not None:
+            if packed.num_gemms != 1:
+                return None
+            mods += [packed.groups[0][0], moe.shared_w2]
+        if any(m.fmt.kind == "dense" or not m.weight.is_cpu for m in mods):
+            return None
+        parts = [m.cpu_prepared(m.weight, m.scale) for m in mods] + [None] * (4 - len(mods))
+        cached = self._moe_kernels.get(index)
+        if cached is not None and all(a is b for a, b in zip(cached[0], parts)):
+            return cached[1]
+        cfg = moe.cfg
+        fused = None
+        if DecodeMoE.compatible(*parts) and experts.swiglu_limit == cfg.swiglu_limit:
+            fused = DecodeMoE(*parts, cfg.num_experts_per_tok, cfg.routed_scaling_factor, cfg.swiglu_limit)
+        self._moe_kernels[index] = (parts, fused)
+        return fused
 
 
 def _adjacent(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

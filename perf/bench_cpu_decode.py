@@ -10,6 +10,8 @@ in one step, then --steps decode steps; ms per decode step, and ms for that pref
   per-seq  decode steps on the per-sequence path (`static_decode=False`, engine/attention.py's
            SequenceContext: torch ops per sequence and layer)
   tiled    as default, every GEMM on the tiled path (tile decode + sgemm)
+  ops-moe  as default, each decode-sized MoE layer op by op (route, permute, gather, products,
+           SwiGLUs, combine) instead of kernels/cpu_moe_decode.py's two jitted calls
   generic  as default, the quantized products through the generic kernel entry points instead
            of the weights prepared once (kernels/cpu_prepared_gemm.py): what the per-call
            checks and views cost
@@ -37,6 +39,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.fused_decode import FusedDecoder
 from engine.linear import QuantWeight
 from engine.weights import load_model
 from ipc.messages import SamplingParams
@@ -45,7 +48,7 @@ from kernels.cpu_precision import matmul_precision
 from perf.bench_quant_gemm import tiled
 from perf.machine import header, set_cpu_threads
 
-VARIANTS = ["default", "ref-ops", "per-seq", "tiled", "generic", "bf16", "bf16-mm"]
+VARIANTS = ["default", "ref-ops", "per-seq", "tiled", "ops-moe", "generic", "bf16", "bf16-mm"]
 
 
 def step_ms(model, batch: int, prompt_len: int, steps: int, static: bool = True) -> tuple[float, float]:
@@ -66,6 +69,17 @@ def step_ms(model, batch: int, prompt_len: int, steps: int, static: bool = True)
         engine.step()
         n += 1
     return 1000 * (time.perf_counter() - t0) / max(n, 1), prefill_ms
+
+
+@contextlib.contextmanager
+def moe_op_by_op():
+    """The fused decode's MoE layers op by op (FusedDecoder.cpu_moe off)."""
+    saved = FusedDecoder.cpu_moe
+    FusedDecoder.cpu_moe = False
+    try:
+        yield
+    finally:
+        FusedDecoder.cpu_moe = saved
 
 
 @contextlib.contextmanager
@@ -100,6 +114,9 @@ def run_variant(name: str, models: dict, batch: int, args) -> tuple[float, float
                        static=name != "per-seq")
     if name == "ref-ops":
         with reference_ops():
+            return run()
+    if name == "ops-moe":
+        with moe_op_by_op():
             return run()
     if name == "generic":
         with generic_products():
