@@ -20,5 +20,5 @@ else
   .venv/bin/python -m pip install --quiet -e .
 fi
 # Compile the CPU kernels into numba's cache now (server/warm_kernels.py): otherwise the first
-# serve waits ~45 s for the compiler, in every worker at once. A warm cache makes this ~15 s.
+# serve waits ~45 s for the compiler, in every worker at once (~2 min here; ~20 s with a warm cache).
 .venv/bin/ringserve warm-kernels

@@ -231,8 +231,8 @@ def _cmd_warm_kernels(args: argparse.Namespace) -> int:
     for d in args.model_dirs:
         if not d.is_dir():
             raise CliError(f"{d}: not a directory")
-    for model_dir, seconds in warm_all(args.model_dirs):
-        print(f"warmed the CPU kernels of {model_dir} in {seconds:.1f} s", flush=True)
+    for what, seconds in warm_all(args.model_dirs):
+        print(f"warmed the CPU kernels of {what} in {seconds:.1f} s", flush=True)
     return 0
 
 
