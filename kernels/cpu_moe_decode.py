@@ -133,7 +133,6 @@ class DecodeMoE:
         self.w13, self.w2, self.shared13, self.shared2 = w13, w2, shared13, shared2
         self.top_k, self.scaling, self.limit = top_k, np.float32(scaling), limit
         self.num_experts, self.hidden = w13.codes.shape[0], w13.k
-        self.inter = w2.k
         # Shared products past their fused row limit would need the tiled path: not here.
         self.max_tokens = min(w.max_rows for w in (shared13, shared2)) if shared13 is not None else w13.max_rows
 
@@ -162,31 +161,21 @@ class DecodeMoE:
         if logits.shape != (t, e) or logits.dtype != torch.float32:
             raise ValueError(f"router logits must be fp32 [{t}, {e}], got {logits.dtype} {tuple(logits.shape)}")
         scores = router_scores(logits).contiguous()                         # [T, E]
-        s, width, inter, hidden = t * k, self.w13.n, self.inter, self.hidden
-        has_shared = self.shared13 is not None
-        hashed = tid2eid is not None
+        s, hidden = t * k, self.hidden
+        has_shared, hashed = self.shared13 is not None, tid2eid is not None
         ids = np.empty((t, k), np.int32)
         weights = torch.empty(t, k)                                          # [T, k] fp32
         counts, offsets = np.zeros(e, np.int32), np.empty(e + 1, np.int32)
         order, inverse = np.empty(s, np.int32), np.empty(s, np.int32)
         ends = np.empty(e, np.int64)
         slots = np.empty((s, hidden), np.float32)                            # [T·k, H] in expert order
-        h = torch.zeros(s + (t if has_shared else 0), width)                 # [T·k (+ T), 2I]
-        r_fp4, s_fp4 = self.w13.kind == "fp4", has_shared and self.shared13.kind == "fp4"
-        half = hidden // 2 if r_fp4 else 0
-        r, sh = self.w13, self.shared13 if has_shared else self.w13
+        h = torch.zeros(s + (t if has_shared else 0), self.w13.n)            # [T·k (+ T), 2I]
         tokens = token_ids.to(torch.int64).numpy() if hashed else np.empty(0, np.int64)
         table = tid2eid.numpy() if hashed else np.empty((0, k), np.int32)
         b = bias.numpy() if bias is not None else np.zeros(e, np.float32)
         heavy = _moe_up(x.numpy(), scores.numpy(), b, hashed, tokens, table, k, self.scaling, ids, weights.numpy(),
-                        counts, offsets, order, inverse, ends, slots,
-                        r_fp4, r.codes, r.scales, r.block[0], r.block[1], r.max_rows,
-                        q._rows_per_task(width * min(s, e)), np.empty((s, half), np.float32),
-                        np.empty((s, half), np.float32),
-                        has_shared, s_fp4, *self._shared_arrays(sh, has_shared), sh.block[0], sh.block[1],
-                        q._rows_per_task(width),
-                        np.empty((t, hidden // 2 if s_fp4 else 0), np.float32),
-                        np.empty((t, hidden // 2 if s_fp4 else 0), np.float32), h.numpy())
+                        counts, offsets, order, inverse, ends, slots, *_routed_args(self.w13, s),
+                        *_shared_args(self.shared13, self.w13, t), h.numpy())
         if heavy < 0:
             self._raise(heavy, ids, token_ids, tid2eid)
         if heavy:
@@ -195,28 +184,13 @@ class DecodeMoE:
         y = torch.zeros(s, hidden)                                            # [T·k, H]
         shared = torch.empty(t, hidden) if has_shared else y
         out, acc = torch.empty(t, hidden), np.empty(hidden, np.float32)     # [T, H]
-        r, sh = self.w2, self.shared2 if has_shared else self.w2
-        r_fp4, s_fp4 = r.kind == "fp4", has_shared and sh.kind == "fp4"
-        half, s_half = (inter // 2 if r_fp4 else 0), (inter // 2 if s_fp4 else 0)
-        heavy = _moe_down(act.numpy(), ends, r_fp4, r.codes, r.scales, r.block[0], r.block[1], r.max_rows,
-                          q._rows_per_task(hidden * min(s, e)), np.empty((s, half), np.float32),
-                          np.empty((s, half), np.float32), y.numpy(),
-                          has_shared, s_fp4, *self._shared_arrays(sh, has_shared), sh.block[0], sh.block[1],
-                          q._rows_per_task(hidden),
-                          np.empty((t, s_half), np.float32), np.empty((t, s_half), np.float32), shared.numpy(),
+        heavy = _moe_down(act.numpy(), ends, *_routed_args(self.w2, s), y.numpy(),
+                          *_shared_args(self.shared2, self.w2, t), shared.numpy(),
                           weights.numpy(), inverse, out.numpy(), acc)
         if heavy:
             self.w2._heavy_experts(act[:s], ends, y)
             _moe_combine(y.numpy(), weights.numpy(), inverse, shared.numpy(), has_shared, out.numpy(), acc)
         return out
-
-    @staticmethod
-    def _shared_arrays(prepared: PreparedQuantWeight, has_shared: bool) -> tuple[np.ndarray, np.ndarray]:
-        """The shared product's codes and scales; without a shared expert, one routed expert's
-        (unused: they only give the jitted call matrices of the types it compiles for)."""
-        if has_shared:
-            return prepared.codes, prepared.scales
-        return prepared.codes[0], prepared.scales[0]
 
     def _raise(self, code: int, ids: np.ndarray, token_ids, tid2eid) -> None:
         """The op path's errors, word for word (kernels/checks.py)."""
@@ -224,3 +198,30 @@ class DecodeMoE:
             lo, hi = int(token_ids.min()), int(token_ids.max())
             raise ValueError(f"token_ids must be in [0, {tid2eid.shape[0]}), got [{lo}, {hi}]")
         raise ValueError(f"expert ids must be in [0, {self.num_experts}), got [{int(ids.min())}, {int(ids.max())}]")
+
+
+def _activation_halves(w: PreparedQuantWeight, rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """Scratch for the even and odd activation columns of `rows` rows through w (FP4 only;
+    empty for FP8, which reads the activations as they are)."""
+    half = w.k // 2 if w.kind == "fp4" else 0
+    return np.empty((rows, half), np.float32), np.empty((rows, half), np.float32)
+
+
+def _routed_args(w: PreparedQuantWeight, slots: int) -> tuple:
+    """A jitted call's routed arguments (fp4, codes, scales, bN, bK, max_rows, per, even, odd)
+    for a grouped product of `slots` rows, split into tasks as PreparedQuantWeight.grouped does."""
+    per = q._rows_per_task(w.n * min(slots, w.codes.shape[0]))
+    return (w.kind == "fp4", w.codes, w.scales, w.block[0], w.block[1], w.max_rows, per,
+            *_activation_halves(w, slots))
+
+
+def _shared_args(w: PreparedQuantWeight | None, routed: PreparedQuantWeight, tokens: int) -> tuple:
+    """A jitted call's shared arguments (has_shared, fp4, codes, scales, bN, bK, per, even, odd)
+    for the shared product of `tokens` rows, split as PreparedQuantWeight.linear does. Without a
+    shared expert, one routed expert's matrices stand in: unused, they only give the call the
+    array types it compiles for."""
+    if w is None:
+        return (False, False, routed.codes[0], routed.scales[0], routed.block[0], routed.block[1], 1,
+                *_activation_halves(routed, 0))
+    return (True, w.kind == "fp4", w.codes, w.scales, w.block[0], w.block[1], q._rows_per_task(w.n),
+            *_activation_halves(w, tokens))

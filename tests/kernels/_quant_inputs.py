@@ -40,6 +40,16 @@ def fp4_weight(shape: tuple[int, ...], group: int, g: torch.Generator,
     return packed, scale_tensor(s, scale_dtype)
 
 
+def quant_weight(kind: str, shape: tuple[int, ...], g: torch.Generator):
+    """(codes, scales, block, dequantized fp32 weight) of a random FP8 (16x32 blocks) or FP4
+    (groups of 32) weight of logical shape [..., N, K]."""
+    if kind == "fp8":
+        w, s = fp8_weight(shape, (16, 32), g)
+        return w, s, (16, 32), reference.dequantize_fp8_weight(w, s, (16, 32))
+    w, s = fp4_weight(shape, 32, g)
+    return w, s, (1, 32), reference.dequantize_fp4_weight(w, s)
+
+
 def activations(m: int, k: int, g: torch.Generator, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Rows of mixed magnitude (a decade spread per row) so act-quant scales differ per group."""
     return (torch.randn(m, k, generator=g) * torch.exp(torch.randn(m, 1, generator=g))).to(dtype)

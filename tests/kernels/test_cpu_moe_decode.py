@@ -8,21 +8,11 @@ import pytest
 import torch
 
 import kernels
-from kernels import reference
 from kernels.cpu_moe_decode import DecodeMoE
-from _quant_inputs import fp4_weight, fp8_weight
+from _quant_inputs import quant_weight
 
 E, H, I, K = 12, 64, 32, 3  # experts, hidden, expert width, top-k
 LIMIT, SCALING = 7.0, 1.5
-
-
-def _weight(kind: str, shape: tuple[int, ...], g: torch.Generator):
-    """(codes, scales, block, dequantized fp32) of a random FP8 (16x32 blocks) or FP4 weight."""
-    if kind == "fp8":
-        w, s = fp8_weight(shape, (16, 32), g)
-        return w, s, (16, 32), reference.dequantize_fp8_weight(w, s, (16, 32))
-    w, s = fp4_weight(shape, 32, g)
-    return w, s, (1, 32), reference.dequantize_fp4_weight(w, s)
 
 
 class Layer:
@@ -31,10 +21,10 @@ class Layer:
     def __init__(self, routed: str, shared: str | None, seed: int = 0):
         g = torch.Generator().manual_seed(seed)
         self.routed, self.shared = routed, shared
-        self.w13 = _weight(routed, (E, 2 * I, H), g)
-        self.w2 = _weight(routed, (E, H, I), g)
-        self.s13 = _weight(shared, (2 * I, H), g) if shared else None
-        self.s2 = _weight(shared, (H, I), g) if shared else None
+        self.w13 = quant_weight(routed, (E, 2 * I, H), g)
+        self.w2 = quant_weight(routed, (E, H, I), g)
+        self.s13 = quant_weight(shared, (2 * I, H), g) if shared else None
+        self.s2 = quant_weight(shared, (H, I), g) if shared else None
         self.bias = torch.randn(E, generator=g) * 0.1
         self.tid2eid = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(50)]).to(torch.int32)
 

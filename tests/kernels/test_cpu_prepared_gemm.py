@@ -7,7 +7,7 @@ import torch
 
 import kernels
 from kernels import cpu_quant_gemm, reference
-from _quant_inputs import abs_gemm, activations, assert_gemm_close, fp4_weight, fp8_weight
+from _quant_inputs import abs_gemm, activations, assert_gemm_close, quant_weight
 from engine.linear import GroupedLinear, GroupedWeight, Linear, WeightFormat
 
 
@@ -17,15 +17,6 @@ def gen(seed: int) -> torch.Generator:
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
-
-
-def weight(kind: str, shape: tuple[int, ...], g: torch.Generator):
-    """(codes, scales, block, dequantized fp32 weight) of a random FP8 (16x32 blocks) or FP4 weight."""
-    if kind == "fp8":
-        w, s = fp8_weight(shape, (16, 32), g)
-        return w, s, (16, 32), reference.dequantize_fp8_weight(w, s, (16, 32))
-    w, s = fp4_weight(shape, 32, g)
-    return w, s, (1, 32), reference.dequantize_fp4_weight(w, s)
 
 
 def generic_linear(kind, x, w, s, block):
@@ -50,7 +41,7 @@ def test_prepared_linear_is_the_generic_product(kind, k):
     """Row counts 1 .. the fused limit and one past it (the tiled path), K with a partial scale
     block: equal to the generic entry point bit for bit, and to the reference within bound."""
     g = gen(k)
-    w, s, block, wd = weight(kind, (72, k), g)
+    w, s, block, wd = quant_weight(kind, (72, k), g)
     prepared = kernels.prepare_quant_weight(w, s, kind, block)
     for m in sorted({1, 2, 3, max_rows(kind), max_rows(kind) + 1}):
         x = activations(m, k, g)
@@ -66,7 +57,7 @@ def test_prepared_grouped_is_the_generic_product(kind):
     alone), and slots past the last end (zero): the generic entry point's result bit for bit."""
     g = gen(3)
     e, n, k = 5, 32, 64
-    w, s, block, wd = weight(kind, (e, n, k), g)
+    w, s, block, wd = quant_weight(kind, (e, n, k), g)
     big = max_rows(kind)
     counts = [0, 1, big, big + 3, 2]
     ends = torch.tensor(counts, dtype=torch.int32).cumsum(0).to(torch.int32)
@@ -83,7 +74,7 @@ def test_prepared_grouped_is_the_generic_product(kind):
 
 @pytest.mark.parametrize("kind", ["fp8", "fp4"])
 def test_prepared_grouped_rejects_bad_ends(kind):
-    w, s, block, _ = weight(kind, (3, 16, 64), gen(4))
+    w, s, block, _ = quant_weight(kind, (3, 16, 64), gen(4))
     prepared = kernels.prepare_quant_weight(w, s, kind, block)
     x = activations(4, 64, gen(5))
     for bad in ([2, 1, 4], [1, 2, 5], [-1, 2, 4]):              # decreasing, past the rows, negative
@@ -94,7 +85,7 @@ def test_prepared_grouped_rejects_bad_ends(kind):
 
 
 def test_prepare_checks_the_weight_once():
-    w, s, block, _ = weight("fp8", (32, 64), gen(6))
+    w, s, block, _ = quant_weight("fp8", (32, 64), gen(6))
     with pytest.raises(ValueError, match="scale must have shape"):
         kernels.prepare_quant_weight(w, s[:1], "fp8", block)
     with pytest.raises(ValueError, match="kind"):
@@ -102,7 +93,7 @@ def test_prepare_checks_the_weight_once():
 
 
 def test_takes_only_contiguous_fp32_cpu_rows_of_its_width():
-    w, s, block, _ = weight("fp4", (16, 64), gen(7))
+    w, s, block, _ = quant_weight("fp4", (16, 64), gen(7))
     prepared = kernels.prepare_quant_weight(w, s, "fp4", block)
     x = activations(2, 64, gen(8))
     assert prepared.takes(x)
@@ -120,7 +111,7 @@ def test_takes_only_contiguous_fp32_cpu_rows_of_its_width():
 def _quantized_linear(kind: str, n: int, k: int, g: torch.Generator) -> tuple[Linear, torch.Tensor]:
     lin = Linear(k, n)
     lin.set_format(WeightFormat.fp8((16, 32)) if kind == "fp8" else WeightFormat.fp4(32))
-    w, s, _, wd = weight(kind, (n, k), g)
+    w, s, _, wd = quant_weight(kind, (n, k), g)
     with torch.no_grad():
         lin.weight.copy_(w.view(lin.weight.dtype))
         lin.scale.copy_(s)
@@ -137,7 +128,7 @@ def test_linear_follows_its_storage(kind):
     first = lin(x)
     assert same_bits(first, generic_linear(kind, x, lin.weight, lin.scale, lin.fmt.block))
     prepared = lin.cpu_prepared(lin.weight, lin.scale)
-    w, s, _, _ = weight(kind, (48, 64), g)
+    w, s, _, _ = quant_weight(kind, (48, 64), g)
     with torch.no_grad():
         lin.weight.copy_(w.view(lin.weight.dtype))             # in place: same storage
     assert lin.cpu_prepared(lin.weight, lin.scale) is prepared
@@ -157,7 +148,7 @@ def test_grouped_containers_match_the_generic_products(kind):
     wo_a = GroupedLinear(groups, i, o)
     fmt = WeightFormat.fp8((16, 32)) if kind == "fp8" else WeightFormat.fp4(32)
     wo_a.set_format(fmt)
-    w, s, _, wd = weight(kind, (groups * o, i), g)
+    w, s, _, wd = quant_weight(kind, (groups * o, i), g)
     with torch.no_grad():
         wo_a.weight.copy_(w.view(wo_a.weight.dtype))
         wo_a.scale.copy_(s)
@@ -173,7 +164,7 @@ def test_grouped_containers_match_the_generic_products(kind):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     experts = GroupedWeight(3, i, o)
     experts.set_format(fmt)
-    w, s, _, _ = weight(kind, (3, o, i), g)
+    w, s, _, _ = quant_weight(kind, (3, o, i), g)
     with torch.no_grad():
         experts.weight.copy_(w.view(experts.weight.dtype))
         experts.scale.copy_(s)
