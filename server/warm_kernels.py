@@ -67,7 +67,8 @@ def warm_all(model_dirs: list[Path] | None = None) -> list[tuple[str, float]]:
         return [(str(d), warm(d)) for d in model_dirs]
     from server.builtin import builtin_model_dir
 
-    done = [(str(builtin_model_dir()), warm(builtin_model_dir()))]
+    builtin = builtin_model_dir()  # the untrained fallback is written on first call
+    done = [(str(builtin), warm(builtin))]
     with tempfile.TemporaryDirectory(prefix="ringserve-warm-") as tmp:
         v4, v41 = release_format_dirs(Path(tmp))
         for kv in ("auto", "fp8", "fp4"):
