@@ -32,19 +32,22 @@ def cache_root() -> Path:
 
 
 def make_model_dir(out_dir: str | Path, preset: str, seed: int = 0, layout: str = "upstream", dtype: str = "bf16",
-                   quantize: str | None = None, arch: str = "v4") -> Path:
-    """Write a random-weight checkpoint plus tokenizer (what `ringserve make-model` does).
-    arch 'v41' writes a DeepSeek-V4.1 release-format directory (its own layout and dtypes)."""
+                   quantize: str | None = None, arch: str = "v4", **overrides) -> Path:
+    """Write a random-weight checkpoint plus tokenizer (what `ringserve make-model` does);
+    overrides replace V4 preset fields. arch 'v41' writes a DeepSeek-V4.1 release-format
+    directory (its own layout and dtypes)."""
     if arch == "v41":
         from engine.v41.checkpoint import write_v41_checkpoint
 
+        if overrides:
+            raise ValueError(f"preset overrides are for V4 checkpoints, got {sorted(overrides)}")
         return write_v41_checkpoint(out_dir, preset, seed=seed, quantize=quantize)
     import torch
 
     from engine.checkpoint import preset_config, random_state, write_checkpoint
     from server.make_tokenizer import write_tokenizer
 
-    cfg = preset_config(preset)
+    cfg = preset_config(preset, **overrides)
     torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
     out = write_checkpoint(out_dir, cfg, random_state(cfg, seed), layout=layout, dtype=torch_dtype, quantize=quantize)
     write_tokenizer(out, cfg.vocab_size)

@@ -10,8 +10,8 @@ It serves a short batch through the real worker process (`server.llm.LLM`, the s
 configuration), so it compiles exactly what serving compiles: by default for the built-in model
 and for tiny random V4 and V4.1 checkpoints in the release format (FP8 projections, FP4 experts),
 whose kernels the built-in model (bf16) does not use, the V4 one also with the quantized KV
-records of `--kv-dtype fp8` and `fp4` (the default on CPU keeps KV in the compute dtype). A cache that is already warm makes this a
-few seconds per model; a cache from another CPU or another source version is recompiled by numba
+records of `--kv-dtype fp8` and `fp4` (the default on CPU keeps KV in the compute dtype). A
+cache that is already warm makes this a few seconds per model; a cache from another CPU or another source version is recompiled by numba
 itself (its index keys on both).
 """
 
@@ -28,18 +28,16 @@ MAX_TOKENS = 6
 
 
 # The tiny preset with the released head geometry the quantized KV records need (a 64-dim rope
-# part kept in bf16, 448 + 64 of a 512-dim head in the release; 64 + 64 here)
+# part kept in bf16, 448 + 64 of a 512-dim head in the release; 64 + 64 here).
 QUANTIZABLE_KV = dict(head_dim=128, qk_rope_head_dim=64, index_head_dim=64)
 
 
-def release_format_dirs(root: Path) -> list[Path]:
+def release_format_dirs(root: Path) -> tuple[Path, Path]:
     """Tiny random V4 and V4.1 checkpoints in the release format, written under root."""
-    from engine.checkpoint import preset_config, random_state, write_checkpoint
     from server.builtin import make_model_dir
 
-    cfg = preset_config("tiny", **QUANTIZABLE_KV)
-    v4 = write_checkpoint(root / "v4-fp8-fp4", cfg, random_state(cfg, 0), quantize="fp8-fp4")
-    return [v4, make_model_dir(root / "v41-fp8-fp4", "tiny", quantize="fp8-fp4", arch="v41")]
+    return (make_model_dir(root / "v4-fp8-fp4", "tiny", quantize="fp8-fp4", **QUANTIZABLE_KV),
+            make_model_dir(root / "v41-fp8-fp4", "tiny", quantize="fp8-fp4", arch="v41"))
 
 
 def warm(model_dir: Path, **engine_args) -> float:
