@@ -12,15 +12,17 @@ all-reduce on the group's gloo (CPU) group gives the step that every rank then r
     is not the eager path's);
   * when one rank stops, all stop.
 
-When no rank has work, every rank parks on its own rings for up to IDLE_PARK_S, then agrees
-again. The engine client, which sees every request first, sends a `Wake` to every other rank
-of the group when it submits to a parked group (no rank has requests in flight), so the ranks
-wake together at once; the bounded park is only the safety net for a request that races the
-group going idle (it then waits at most IDLE_PARK_S). Parked ranks cost one agreement a second:
-~1.3% of a core per rank on CPU, gloo's threads included (at 0.5 s it was ~1.9%, too near the 2%
-goal). A rank that died or stopped answering makes the agreement (or any collective) fail on
-every other rank within the group's collective timeout, and each exits non-zero: a group cannot
-heal; the server restarts it under a new generation.
+When no rank has work, every rank parks: it tells the engine client (`Parked` with the number
+of the idle agreement, the same on every rank) and sleeps until a request or a `Wake` arrives,
+costing no CPU. The engine client, which sees every request first, wakes the whole group at once
+(`Wake` to every rank) when it submits to a group with a parked rank, and when a rank reports
+`Parked` while the group has requests in flight — the case of a request that raced the group
+going idle. A `Wake` that arrives before its rank parks at that agreement is remembered, so no
+wake is lost and every rank joins the next agreement. A rank with a KV connector (PD) polls its
+park every connector interval instead, to tick its transfers. A rank that died or stopped
+answering makes the agreement (or any collective) fail on every other rank within the group's
+collective timeout, and each exits non-zero: a group cannot heal; the server restarts it under
+a new generation.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import torch.distributed as dist
 from .config import ParallelConfig
 from .distributed import DistGroup, init_group
 
-IDLE_PARK_S = 1.0
+IDLE_PARK_S = 1.0  # a parked rank with a KV connector ticks it this often (at most)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +55,7 @@ class Lockstep:
         self.ep = ep  # engine.expert_parallel.ExpertParallel, or None
         self.parallel = parallel
         self._buf = torch.zeros(4, dtype=torch.int64)
+        self.agreements = 0  # agreements made so far: identical on every rank (the park epoch)
 
     def after_step(self, steps: int) -> None:
         """Every eplb_step_interval agreed steps (the same on every rank): the group's expert
@@ -65,6 +68,7 @@ class Lockstep:
         b = self._buf
         b[0], b[1], b[2], b[3] = int(plan.has_work), plan.num_drafts, int(not plan.static_ok), int(plan.stopping)
         dist.all_reduce(b, op=dist.ReduceOp.MAX, group=self.group.cpu_group)
+        self.agreements += 1
         return StepPlan(bool(b[0]), int(b[1]), not bool(b[2]), bool(b[3]))
 
 

@@ -2,8 +2,9 @@
 
 The loop never spins: with no work it awaits a wake-up event (set by `submit`/`abort`), so an
 idle worker costs no CPU. A rank of an expert-parallel group instead agrees every step with the
-others (engine/lockstep.py) and polls that agreement while idle. Between steps it yields to the event loop so new requests and aborts
-land before the next schedule. After warm-up it freezes the GC generations (everything alive
+others (engine/lockstep.py) and, when the whole group is idle, parks the same way until a
+request or the engine client's `Wake` arrives. Between steps it yields to the event loop so new
+requests and aborts land before the next schedule. After warm-up it freezes the GC generations (everything alive
 then is long-lived) and runs full collections only while idle, so collection pauses stay out
 of the token path (automatic oldest-generation collections are pushed far out). It records the
 longest host-side pause between two consecutive steps and the longest GC pause inside them.
@@ -19,7 +20,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Callable
 
-from ipc.messages import INT64_MAX, Finished, SamplingParams, StepOutputs
+from ipc.messages import INT64_MAX, Finished, Parked, SamplingParams, StepOutputs
 
 from .engine import Engine
 from .lockstep import IDLE_PARK_S, Lockstep, StepPlan
@@ -38,7 +39,7 @@ class WorkerStats:
 
 
 class Worker:
-    def __init__(self, engine: Engine, emit: Callable[[StepOutputs], None], lockstep: Lockstep | None = None):
+    def __init__(self, engine: Engine, emit: Callable[[StepOutputs | Parked], None], lockstep: Lockstep | None = None):
         self.engine = engine
         self.emit = emit
         self.lockstep = lockstep  # the expert-parallel group's agreement, or None (an independent rank)
@@ -50,6 +51,7 @@ class Worker:
         # are never reused, so a stale entry (an abort after its request finished) is harmless.
         self._early_aborts: OrderedDict[int, None] = OrderedDict()
         self._wakeup: asyncio.Event | None = None
+        self._woken_epoch = -1  # the newest idle agreement a Wake asked this rank to leave (lockstep)
         self._stopping = False
         self._gc_started = 0.0
         self._idle_collect = False
@@ -70,8 +72,12 @@ class Worker:
         self._stopping = True
         self.wake()
 
-    def wake(self) -> None:
-        """Run the loop now (a command arrived, or a parked group's peer got work)."""
+    def wake(self, epoch: int | None = None) -> None:
+        """Run the loop now: a command arrived, or (`epoch`: the engine client's `Wake`) the
+        group parked after idle agreement `epoch` has work. Remembered if it comes before this
+        rank parks there, so the rank then does not park at all."""
+        if epoch is not None:
+            self._woken_epoch = max(self._woken_epoch, epoch)
         if self._wakeup is not None:
             self._wakeup.set()
 
@@ -180,14 +186,8 @@ class Worker:
             plan = lockstep.agree(wish)  # the one collective of every iteration, on every rank
             if plan.stopping:
                 return
-            if not plan.has_work:  # every rank is idle: wait for work here (or a peer's), then agree again
-                self._wakeup.clear()
-                if not self._commands:
-                    poll = IDLE_PARK_S if engine.connector is None else min(IDLE_PARK_S, engine.connector.poll_interval())
-                    try:
-                        await asyncio.wait_for(self._wakeup.wait(), poll)
-                    except TimeoutError:
-                        pass
+            if not plan.has_work:  # every rank is idle: park until work comes here or to a peer
+                await self._park(lockstep.agreements)
                 continue
             self.step_started_at = time.time()
             out = engine.run(batch, plan.num_drafts, allow_static=plan.static_ok, lockstep=True)
@@ -197,6 +197,29 @@ class Worker:
             self.stats.steps += 1
             lockstep.after_step(self.stats.steps)
             await asyncio.sleep(0)
+
+    async def _park(self, epoch: int) -> None:
+        """Sleep after idle agreement `epoch` until a command or the client's Wake for this
+        agreement (every rank of the group gets one, so all agree again together; an older,
+        stale Wake is ignored). With a KV connector, wake every poll interval to tick it (its
+        transfers may give this rank work)."""
+        def woken() -> bool:
+            return bool(self._commands) or self._stopping or self._woken_epoch >= epoch
+
+        connector = self.engine.connector
+        if connector is not None:
+            self._wakeup.clear()
+            if not woken():
+                try:
+                    await asyncio.wait_for(self._wakeup.wait(), min(IDLE_PARK_S, connector.poll_interval()))
+                except TimeoutError:
+                    pass
+            return
+        if not woken():
+            self.emit(Parked(epoch))
+        while not woken():
+            self._wakeup.clear()
+            await self._wakeup.wait()
 
     def _on_gc(self, phase: str, info: dict) -> None:
         if phase == "start":

@@ -186,7 +186,7 @@ async def _drain(worker: Worker, reader: RingReader, name: str) -> None:
         elif isinstance(msg, Abort):
             worker.abort(msg.request_ids)
         elif isinstance(msg, Wake):
-            worker.wake()
+            worker.wake(msg.epoch)
         elif isinstance(msg, Shutdown):
             worker.stop()
             return

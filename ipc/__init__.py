@@ -16,6 +16,7 @@ from ipc.messages import (
     Finished,
     Heartbeat,
     Message,
+    Parked,
     SamplingParams,
     Shutdown,
     StepOutputs,
@@ -29,7 +30,7 @@ from ipc.segment import remove_orphans
 
 __all__ = [
     "Abort", "CorruptSlot", "DecodeError", "EncodeError", "Finished", "Heartbeat", "InvalidField", "IpcError",
-    "Message", "MessageTooLarge", "PeerDied", "RingClosed", "RingConfig", "RingError", "RingReader", "RingStats",
+    "Message", "MessageTooLarge", "Parked", "PeerDied", "RingClosed", "RingConfig", "RingError", "RingReader", "RingStats",
     "RingTimeout", "RingWriter", "SamplingParams", "Shutdown", "StepOutputs", "Submit", "TokenDelta", "Wake", "WorkerReady",
     "check", "decode", "encode", "remove_orphans",
 ]

@@ -97,8 +97,18 @@ class PromptLogprobs(Struct, frozen=True, array_like=True):
     ranks: list[Count]  # 1 = the most likely token
     top_logprobs: TopLogprobs  # per scored token: [(token_id, logprob), ...], SamplingParams.prompt_logprobs long
 class Wake(Struct, frozen=True, array_like=True, tag=7):
-    """A peer of this rank's expert-parallel group got work while the group was parked: join the
-    next agreement now (sent on the control ring by the engine client)."""
+    """Sent by the engine client on the control ring: the rank's expert-parallel group has work,
+    so a rank parked after idle agreement `epoch` (or about to park there) joins the next
+    agreement now. Every rank of the group gets it, so they all agree again together."""
+
+    epoch: Count = 0
+
+
+class Parked(Struct, frozen=True, array_like=True, tag=8):
+    """A rank of an expert-parallel group parked after the group's idle agreement number
+    `epoch` (the same on every rank): it sleeps until a request or a `Wake` for that epoch."""
+
+    epoch: Count
 
 
 class TokenDelta(Struct, frozen=True, array_like=True):
@@ -204,6 +214,6 @@ class KVTransferStats(Struct, frozen=True, array_like=True):
 
 
 ToWorker = Union[Submit, Abort, Shutdown, Wake]
-FromWorker = Union[WorkerReady, Heartbeat, StepOutputs, Shutdown]
-Message = Union[Submit, Abort, Shutdown, Wake, StepOutputs, WorkerReady, Heartbeat]
-MESSAGE_TYPES: tuple[type, ...] = (Submit, Abort, Shutdown, Wake, StepOutputs, WorkerReady, Heartbeat)
+FromWorker = Union[WorkerReady, Heartbeat, StepOutputs, Shutdown, Parked]
+Message = Union[Submit, Abort, Shutdown, Wake, StepOutputs, WorkerReady, Heartbeat, Parked]
+MESSAGE_TYPES: tuple[type, ...] = (Submit, Abort, Shutdown, Wake, StepOutputs, WorkerReady, Heartbeat, Parked)

@@ -36,6 +36,7 @@ from typing import AsyncIterator, Union
 from engine.config import EngineConfig, ParallelConfig
 from ipc import (Abort, Finished, Heartbeat, IpcError, RingClosed, RingConfig, RingTimeout, SamplingParams, Shutdown,
                  StepOutputs, Submit, TokenDelta, Wake, WorkerReady, decode, encode)
+from ipc.messages import Parked
 from ipc.segment import remove_orphans
 
 from .links import LocalLink, NodeChannel, RankLink
@@ -69,6 +70,10 @@ class _Rank:
     progress_seen_at: float = 0.0  # monotonic time its progress counter last moved
     failure: str | None = None  # why the rank went down, as the worker or a failing ring said
     inflight: set[int] = field(default_factory=set)
+    # Submitted and not yet seen finished by the output listener (it runs ahead of `inflight`,
+    # which a request leaves once its consumer has read its end).
+    unfinished: set[int] = field(default_factory=set)
+    parked: int | None = None  # expert parallelism: the idle agreement the rank reported parking at
     aborts: list[int] = field(default_factory=list)  # waiting for the abort flusher
     abort_wakeup: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -94,6 +99,7 @@ class EngineClient:
         self._owner: dict[int, int] = {}
         self._next_id = 1
         self._tasks: list[asyncio.Task] = []
+        self._background: set[asyncio.Task] = set()  # wake-ups sent from the output listeners
         self.on_dead: list = []  # callbacks(rank) fired when a worker dies
         self.stuck: dict[int, str] = {}  # rank → what the watchdog last reported
         self._shut_down = False
@@ -227,16 +233,17 @@ class EngineClient:
             return
         r = self.ranks[rank]
         queue: asyncio.Queue = asyncio.Queue()
-        parked = self.parallel.grouped and not any(x.inflight for x in self.ranks)
         self._queues[rid] = queue
         self._owner[rid] = rank
         r.inflight.add(rid)
+        r.unfinished.add(rid)
         finished = False
         try:
             await r.link.send("requests", encode(Submit(rid, prompt_token_ids, params, kv_transfer_params),
                                                   max_bytes=r.link.capacity("requests")), timeout=30.0)
-            if parked:
-                await self._wake_group(r)
+            r.parked = None  # the submission wakes it
+            if self.parallel.grouped and any(x.parked is not None for x in self.ranks):
+                await self._wake_group(max(x.parked for x in self.ranks if x.parked is not None), r)
             while True:
                 item: Output = await queue.get()
                 finished = isinstance(item, Finished)
@@ -248,16 +255,29 @@ class EngineClient:
                 self.abort(rid)
             self._forget(rid)
 
-    async def _wake_group(self, busy: _Rank) -> None:
-        """The group was parked: wake every other rank, so it joins `busy`'s next agreement now
-        rather than after its park timeout."""
-        wake = encode(Wake())
+    async def _wake_group(self, epoch: int, busy: _Rank | None = None) -> None:
+        """Expert parallelism: the group parked after idle agreement `epoch` has work (a request
+        for `busy`, or one that raced the group going idle): wake every rank but `busy` (its
+        request wakes it), so all of them join the next agreement together."""
+        wake = encode(Wake(epoch))
         for x in self.ranks:
+            x.parked = None
             if x is not busy and x.alive:
                 try:
-                    await x.link.send("control", wake, timeout=0.1)
-                except IpcError:  # a full control ring: the rank's bounded park still ends
-                    pass
+                    await x.link.send("control", wake, timeout=1.0)
+                except IpcError as exc:  # a control ring that stays full: the rank is stuck anyway
+                    logger.warning("rank %d: could not wake it from its park (%s)", x.index, exc)
+
+    def _on_parked(self, r: _Rank, epoch: int) -> None:
+        """A rank parked after idle agreement `epoch`. With requests in flight the group has
+        work (a submission raced the idle agreement; or their ends are still on their way, and
+        the group then agrees once more and parks again): wake it all now."""
+        if any(x.unfinished for x in self.ranks):
+            task = asyncio.ensure_future(self._wake_group(epoch))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+        else:
+            r.parked = epoch
 
     def new_request_id(self) -> int:
         rid = self._next_id
@@ -292,6 +312,7 @@ class EngineClient:
         self._queues.pop(rid, None)
         if rank is not None:
             self.ranks[rank].inflight.discard(rid)
+            self.ranks[rank].unfinished.discard(rid)
         self.router.on_finish(rid)
 
     # ---- output side -----------------------------------------------------------------------
@@ -309,12 +330,16 @@ class EngineClient:
                 self._ring_failed(r, "output ring", exc)
                 return
             if isinstance(msg, StepOutputs):
+                r.parked = None
                 for delta in msg.deltas:
                     self.router.on_tokens(delta.request_id, len(delta.token_ids))
                     self._deliver(delta.request_id, delta)
                 for done in msg.finished:
+                    r.unfinished.discard(done.request_id)
                     self.router.on_finish(done.request_id, done.completion_tokens)
                     self._deliver(done.request_id, done)
+            elif isinstance(msg, Parked):
+                self._on_parked(r, msg.epoch)
             elif isinstance(msg, Shutdown):
                 r.failure = msg.reason  # a worker says why before it exits
                 logger.warning("rank %d: %s", r.index, msg.reason)

@@ -114,3 +114,75 @@ def test_warm_up_freezes_the_gc(engine):
     finally:
         gc.unfreeze()
         worker.close()
+
+
+class _IdleGroup:
+    """A stand-in for Lockstep whose group never has work: every agreement is idle (stopping
+    when this rank stops), counted as Lockstep counts them."""
+
+    def __init__(self):
+        self.agreements = 0
+
+    def agree(self, plan):
+        from engine.lockstep import StepPlan
+
+        self.agreements += 1
+        return StepPlan(False, stopping=plan.stopping)
+
+
+def _serve_lockstep(engine, scenario):
+    """A lockstep worker on an idle group: `scenario(worker, group, emitted)`; returns emitted."""
+    emitted, group = [], _IdleGroup()
+    worker = Worker(engine, emitted.append, group)
+
+    async def main():
+        task = asyncio.ensure_future(worker.run())
+        try:
+            await scenario(worker, group, emitted)
+        finally:
+            worker.stop()
+            await task
+
+    loop = new_event_loop()
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
+        worker.close()
+    return emitted
+
+
+def test_an_idle_group_rank_parks_until_woken(engine):
+    """After an idle agreement the rank says Parked(epoch) and makes no further agreement (no
+    polling) until the client's Wake; then it agrees once more and parks at the next epoch."""
+    from ipc.messages import Parked
+
+    async def scenario(worker, group, emitted):
+        await _until(lambda: emitted)
+        await asyncio.sleep(0.3)
+        assert group.agreements == 1 and emitted == [Parked(1)]
+        worker.wake(1)
+        await _until(lambda: len(emitted) == 2)
+        assert group.agreements == 2 and emitted[1] == Parked(2)
+
+    _serve_lockstep(engine, scenario)
+
+
+def test_a_wake_before_the_park_is_not_lost(engine):
+    """A Wake for an agreement this rank has not parked at yet (it raced the idle agreement) is
+    remembered: the rank skips that park and agrees again at once; a stale one is ignored."""
+    from ipc.messages import Parked
+
+    async def scenario(worker, group, emitted):
+        worker.wake(1)  # before the first agreement
+        await _until(lambda: emitted)
+        await asyncio.sleep(0.2)
+        assert group.agreements == 2 and emitted == [Parked(2)]
+        worker.wake(1)  # stale: the group is parked at 2 already
+        await asyncio.sleep(0.2)
+        assert group.agreements == 2 and emitted == [Parked(2)]
+        worker.wake(2)
+        await _until(lambda: len(emitted) == 2)
+        assert group.agreements == 3 and emitted[1] == Parked(3)
+
+    _serve_lockstep(engine, scenario)

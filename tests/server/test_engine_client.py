@@ -191,3 +191,51 @@ def test_heartbeats_come_from_their_own_thread_during_a_long_step():
         writer.close()
         reader.close()
     assert not beats.is_alive()
+
+
+class _RecordingLink:
+    """A RankLink stand-in that records what the client sends on it."""
+
+    def __init__(self):
+        self.sent: list[tuple[str, object]] = []
+
+    async def send(self, channel, data, timeout):
+        from ipc import decode
+
+        self.sent.append((channel, decode(data, "to_worker")))
+
+
+def _grouped_client(n: int):
+    from engine.config import ParallelConfig
+    from server.engine_client import _Rank
+
+    client = EngineClient("unused", EngineConfig(), parallel=ParallelConfig(data_parallel_size=n,
+                                                                            enable_expert_parallel=True))
+    client.ranks = [_Rank(i, _RecordingLink()) for i in range(n)]
+    return client
+
+
+def test_a_parked_report_with_requests_in_flight_wakes_the_whole_group():
+    """Expert parallelism: a rank reporting Parked(epoch) while the group has requests in flight
+    (a submission that raced the idle agreement) gets the whole group woken for that epoch; with
+    none in flight the client only remembers the park, and the next submission wakes the rest."""
+    from ipc.messages import Wake
+
+    async def main():
+        client = _grouped_client(3)
+        a, b, c = client.ranks
+        client._on_parked(a, 4)
+        assert a.parked == 4 and not a.link.sent  # nothing in flight: a parked group, left alone
+        b.unfinished.add(17)
+        client._on_parked(c, 4)
+        await asyncio.gather(*client._background)
+        assert [r.link.sent for r in client.ranks] == [[("control", Wake(4))]] * 3
+        assert all(r.parked is None for r in client.ranks)
+        client._on_parked(a, 5)
+        b.unfinished.clear()
+        client._on_parked(b, 5)
+        client._on_parked(c, 5)
+        await client._wake_group(5, busy=b)  # what a submission to b does
+        assert [r.link.sent[-1] for r in (a, c)] == [("control", Wake(5))] * 2 and len(b.link.sent) == 1
+
+    _run(main())
