@@ -2,7 +2,7 @@
 
 A weight [*lead, N, K] is held in one `WeightFormat`:
   * dense — the compute dtype (or whatever a parameter was built with), `kernels.dense_linear` /
-    `F.grouped_mm`;
+    `kernels.dense_grouped_mm`;
   * fp8   — e4m3 codes [*lead, N, K] plus one scale per (bN × bK) block
     [*lead, ceil(N/bN), ceil(K/bK)] (the release: 128×128, ue8m0);
   * fp4   — e2m1 codes packed two per int8 byte [*lead, N, K/2] (low nibble = even column)
@@ -25,7 +25,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import kernels
@@ -207,7 +206,7 @@ class GroupedWeight(QuantWeight):
     def grouped_mm(self, x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
         """Rows [ends[s-1], ends[s]) of x [S, K] through slot s: → [S, N]; ends int32 [L]."""
         if self.fmt.kind == "dense":
-            return F.grouped_mm(x, self.weight.transpose(1, 2), offs=ends)
+            return kernels.dense_grouped_mm(x, self.weight, ends)  # CUDA: capturable for every dtype
         weight, scale = self.weight, self.scale
         prepared = self.cpu_prepared(weight, scale) if weight.is_cpu else None
         if prepared is not None and prepared.takes(x) and ends.is_cpu:

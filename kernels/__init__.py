@@ -13,17 +13,19 @@ Semantics are defined by ``kernels.reference``; KV record layouts and numeric ru
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kernels import cpu_gemv, cpu_kv, cpu_prepared_gemm, cpu_quant_gemm, cpu_routing
 from kernels.devices import backend, decode_backend
 from kernels.formats import FORMAT_NAMES, KVFormat, get_format
-from kernels.reference import ACT_GROUP, FP4_GROUP
+from kernels.reference import ACT_GROUP, FP4_GROUP, check_dense_grouped_mm
 
 __all__ = ["FORMAT_NAMES", "KVFormat", "get_format", "quantize", "dequantize", "quantize_scatter",
            "gather_dequantize", "route", "permute", "act_quant_fp8", "dense_linear", "fp8_linear", "fp4_linear",
-           "fp8_grouped_mm", "fp4_grouped_mm", "prepare_quant_weight", "norm_rope", "mhc_mix", "mhc_expand",
-           "compressor_step", "indexer_topk", "sparse_mla_decode", "gather_rows", "swiglu", "moe_combine"]
+           "fp8_grouped_mm", "fp4_grouped_mm", "dense_grouped_mm", "prepare_quant_weight", "norm_rope", "mhc_mix",
+           "mhc_expand", "compressor_step", "indexer_topk", "sparse_mla_decode", "gather_rows", "swiglu", "moe_combine"]
 
 
 def _cupy(op: str, **tensors: torch.Tensor | None) -> bool:
@@ -161,6 +163,55 @@ def fp4_grouped_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, o
         from kernels.triton import quant_gemm
         return quant_gemm.fp4_grouped_mm(x, packed, scale, offsets, act_quant, out_dtype, group, act_group)
     return cpu_quant_gemm.fp4_grouped_mm(x, packed, scale, offsets, act_quant, out_dtype, group, act_group)
+
+
+def dense_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """MoE over dense experts: rows [offsets[e-1], offsets[e]) of x [S, K] times weight[e]^T,
+    weight [E, N, K] in x's dtype (any strides), offsets int32 [E] cumulative ends (as
+    F.grouped_mm's offs) -> [S, N] in x's dtype; rows at or past offsets[-1] are zero.
+
+    CUDA: torch's CUTLASS grouped GEMM where it has one (bf16 on sm90/sm100, 16-byte aligned
+    operands), else Triton (kernels/triton/dense_grouped_mm.py): torch's fallback for the rest
+    copies the offsets to the host, which CUDA-graph capture forbids. CPU: F.grouped_mm, or the
+    Triton kernel interpreted inside ``devices.triton_on_cpu()`` (as the fused decode ops).
+    """
+    if (decode_backend("dense_grouped_mm", x=x, weight=weight, offsets=offsets) == "triton"
+            and not _cutlass_grouped_mm(x, weight)):
+        from kernels.triton import dense_grouped_mm as triton_grouped
+        return triton_grouped.dense_grouped_mm(x, weight, offsets)
+    check_dense_grouped_mm(x, weight, offsets)
+    out = torch.nn.functional.grouped_mm(x, weight.transpose(1, 2), offs=offsets)  # [S, N]
+    if not offsets.numel():
+        return out.zero_()
+    # torch leaves the rows past the last expert unwritten; on CUDA their start stays on the device.
+    if x.is_cuda:
+        rows = torch.arange(x.shape[0], device=x.device)  # [S]
+        return out.masked_fill_((rows >= offsets[-1]).unsqueeze(1), 0)
+    out[int(offsets[-1]):] = 0
+    return out
+
+
+@functools.cache
+def _sm90_or_sm100(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] in (9, 10)
+
+
+def _tma_aligned(t: torch.Tensor) -> bool:
+    """Unit stride in one of the last two dims, the other a 16-byte multiple covering its rows,
+    and a 16-byte aligned start (the caching allocator aligns allocations to 512 bytes)."""
+    (rows, cols), (a, b), size = t.shape[-2:], t.stride()[-2:], t.element_size()
+    return (t.storage_offset() * size % 16 == 0
+            and ((b == 1 and a >= max(1, cols) and a * size % 16 == 0)
+                 or (a == 1 and b >= max(1, rows) and b * size % 16 == 0)))
+
+
+def _cutlass_grouped_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether torch's CUDA grouped GEMM takes its CUTLASS kernel (no host sync) for x [S, K] and
+    the weight's transpose [E, K, N]; torch checks the current device, which the engine sets."""
+    if x.dtype != torch.bfloat16 or not x.is_cuda:
+        return False
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    return _sm90_or_sm100(index) and _tma_aligned(x) and _tma_aligned(weight.transpose(1, 2))
 
 
 def prepare_quant_weight(weight: torch.Tensor, scale: torch.Tensor, kind: str,

@@ -344,3 +344,33 @@ def fp4_grouped_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, o
     checks.check_fp4_gemm("fp4_grouped_mm", x, packed, scale, group, offsets, out_dtype, act_group)
     w = dequantize_fp4_weight(packed, scale, group)       # [E, N, K]
     return _grouped(_activation(x, act_quant, act_group), w, offsets).to(out_dtype or x.dtype)
+
+
+# ---- dense expert GEMMs ---------------------------------------------------------------------
+
+def check_dense_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
+                           op: str = "dense_grouped_mm") -> None:
+    """x [S, K] float, weight [E, N, K] of x's dtype (any strides), offsets int32 [E] on x's
+    device; offset values are checked on the host only (reading CUDA offsets would sync)."""
+    if x.dim() != 2 or x.dtype not in checks.FLOAT_DTYPES:
+        raise ValueError(f"{op}: x must be [S, K] of {checks.FLOAT_DTYPES}, got {x.dtype} {tuple(x.shape)}")
+    if weight.dim() != 3 or weight.dtype != x.dtype:
+        raise ValueError(f"{op}: weight must be [E, N, K] of x's dtype {x.dtype}, got {weight.dtype} "
+                         f"{tuple(weight.shape)}")
+    if weight.shape[2] != x.shape[1]:
+        raise ValueError(f"{op}: x has K={x.shape[1]} but the weight has K={weight.shape[2]}")
+    if offsets.dtype != torch.int32:
+        raise ValueError(f"{op}: offsets must be int32 cumulative row ends (F.grouped_mm's offs), got {offsets.dtype}")
+    if not x.device == weight.device == offsets.device:
+        raise ValueError(f"{op}: x ({x.device}), weight ({weight.device}) and offsets ({offsets.device}) "
+                         f"must be on one device")
+    checks.check_offsets(op, offsets, weight.shape[0], x.shape[0])
+
+
+def dense_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Per expert e: x rows [offsets[e-1], offsets[e]) @ weight[e]^T in fp32, cast to x.dtype;
+    x [S, K], weight [E, N, K], offsets [E] cumulative ends, i.e. F.grouped_mm(x,
+    weight.transpose(1, 2), offs=offsets), except that rows at or past offsets[-1] are zero
+    (torch leaves them unwritten)."""
+    check_dense_grouped_mm(x, weight, offsets)
+    return _grouped(x.float(), weight.float(), offsets).to(x.dtype)
