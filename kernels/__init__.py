@@ -5,6 +5,8 @@ arguments; CUDA tensors need the GPU toolkit, never falling back to the CPU path
 - KV cache and MoE routing: CUDA -> CuPy RawModule kernels (kernels/cuda/*.cu), CPU -> numba.
 - Quantized GEMMs (FP8 block-scaled / packed FP4 weights) and activation fake-quantization:
   CUDA -> Triton (kernels/triton/quant_gemm.py), CPU -> numba tile decode + torch mm.
+- Dense grouped GEMMs (MoE experts in bf16/fp16/fp32): CUDA -> torch's CUTLASS kernel where it
+  has one (bf16, sm90/sm100), else Triton (kernels/triton/dense_grouped_mm.py); CPU -> torch.
 - The fused decode step (mHC, norm + RoPE + KV store, compressor, indexer top-k, sparse MLA
   attention, MoE glue): CUDA -> Triton (kernels/triton/*.py), CPU -> kernels/cpu_decode.py;
   ``devices.triton_on_cpu()`` runs the Triton kernels on CPU tensors under the interpreter.
@@ -168,7 +170,10 @@ def fp4_grouped_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, o
 def dense_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """MoE over dense experts: rows [offsets[e-1], offsets[e]) of x [S, K] times weight[e]^T,
     weight [E, N, K] in x's dtype (any strides), offsets int32 [E] cumulative ends (as
-    F.grouped_mm's offs) -> [S, N] in x's dtype; rows at or past offsets[-1] are zero.
+    F.grouped_mm's offs) -> [S, N] in x's dtype. Rows at or past offsets[-1] are zero, except
+    on torch's CUTLASS path, which leaves them unwritten: zeroing them there would cost three
+    launches per call in every captured step, and no caller reads them (the MoE combine gathers
+    expert rows only; the padded all-to-all ignores its padding rows).
 
     CUDA: torch's CUTLASS grouped GEMM where it has one (bf16 on sm90/sm100, 16-byte aligned
     operands), else Triton (kernels/triton/dense_grouped_mm.py): torch's fallback for the rest
@@ -183,11 +188,8 @@ def dense_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tenso
     out = torch.nn.functional.grouped_mm(x, weight.transpose(1, 2), offs=offsets)  # [S, N]
     if not offsets.numel():
         return out.zero_()
-    # torch leaves the rows past the last expert unwritten; on CUDA their start stays on the device.
-    if x.is_cuda:
-        rows = torch.arange(x.shape[0], device=x.device)  # [S]
-        return out.masked_fill_((rows >= offsets[-1]).unsqueeze(1), 0)
-    out[int(offsets[-1]):] = 0
+    if not x.is_cuda:  # torch leaves the rows past the last expert unwritten
+        out[int(offsets[-1]):] = 0
     return out
 
 

@@ -232,7 +232,7 @@ def test_unreachable_peer_times_out_cleanly():
         start = time.monotonic()
         with pytest.raises(PeerUnavailable, match="no metadata"):
             t.connect("nobody", "127.0.0.1", _free_port(), timeout_s=1.0)
-        assert time.monotonic() - start < 3.0
+        assert time.monotonic() - start < 8.0  # the 1 s timeout, with room for a loaded machine
         with pytest.raises(TransferFailed, match="not connected"):
             t.read("nobody", "c4", [1], [1]).poll()
     finally:
@@ -302,7 +302,7 @@ def test_stalled_server_times_out_and_is_dropped():
             start = time.monotonic()
             with pytest.raises(TransferFailed, match="timed out"):
                 tr.wait(10)
-            assert 0.4 < time.monotonic() - start < 2.0
+            assert 0.4 < time.monotonic() - start < 6.0  # the 0.5 s read timeout, not wait()'s 10 s
             assert t.state()["peers"] == []  # disconnected: nothing more of it can land
         finally:
             t.close()

@@ -73,7 +73,7 @@ def test_full_ring_times_out_then_recovers(pair):
     t0 = time.monotonic()
     with pytest.raises(RingTimeout):
         writer.put(b"over", timeout=0.05)
-    assert 0.04 < time.monotonic() - t0 < 1.0
+    assert 0.04 < time.monotonic() - t0 < 5.0  # bounded (a loaded CI machine can be slow; never unbounded)
     assert reader.get() == b"\x00"
     writer.put(b"over", timeout=0.05)
     assert [reader.get() for _ in range(SMALL.num_slots)] == [b"\x01", b"\x02", b"\x03", b"over"]
@@ -105,7 +105,7 @@ def test_reader_timeout_is_bounded(pair):
     t0 = time.monotonic()
     with pytest.raises(TimeoutError):
         reader.get(timeout=0.1)
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < 5.0
 
 
 def test_oversize_message_names_sizes(pair):

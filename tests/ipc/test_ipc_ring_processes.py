@@ -62,7 +62,7 @@ def test_writer_killed_mid_write_is_detected_and_ring_recreated(spawn):
         t0 = time.monotonic()
         with pytest.raises(PeerDied, match="recreate"):
             reader.get(timeout=10)
-        assert time.monotonic() - t0 < 2, "death should be seen through the pidfd, not the timeout"
+        assert time.monotonic() - t0 < 6, "death should be seen through the pidfd, not the 10 s timeout"
         proc.join(5)
         old = reader.name
         reader = reader.recreate()
