@@ -149,7 +149,8 @@ class FakeCudaMode(TorchDispatchMode):
         if func is aten.copy_.default:
             dst, src = args[0], args[1]
             if _is_fake(src) and not _is_fake(dst):  # device → host
-                self._read(func, [src], src.numel() * src.element_size())
+                blocking = not (len(args) > 2 and args[2] or kwargs.get("non_blocking")) or not _is_pinned(dst)
+                self._read(func, [src], src.numel() * src.element_size(), blocking=blocking)
                 with torch.no_grad():
                     dst.fill_(self.fill)
                 return dst
@@ -166,13 +167,13 @@ class FakeCudaMode(TorchDispatchMode):
             self._write(func, src)
         return NotImplemented
 
-    def _read(self, func, fakes, nbytes: int, detail: str | None = None) -> None:
+    def _read(self, func, fakes, nbytes: int, detail: str | None = None, blocking: bool = True) -> None:
         if self.record.capturing:
             raise self.record.fault("host-read-in-capture", (detail or f"{func} reads device data on the host")
                                     + " while a CUDA graph is being captured")
         from . import current_runtime
 
-        current_runtime().sync_seen(detail or str(func), "d2h", nbytes)
+        current_runtime().sync_seen(detail or str(func), "d2h", nbytes, blocking)
 
     def _write(self, func, src: torch.Tensor) -> None:
         if self.record.capturing:

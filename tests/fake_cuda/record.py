@@ -45,6 +45,9 @@ class Transfer:
     op: str  # the aten op or API call
     where: str  # call site (see call_site)
     nbytes: int = 0
+    # A d2h the host waits for (.item(), .tolist(), a pageable copy); False: a non-blocking copy
+    # into pinned memory, which the host waits for later (Event.synchronize: a 'wait').
+    blocking: bool = True
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,10 @@ class Record:
 
     def reads(self) -> list[Transfer]:
         return [t for t in self.transfers if t.kind == "d2h"]
+
+    def syncs(self, mark: int = 0) -> list[Transfer]:
+        """Everything since `mark` that blocks the host on the device: blocking reads and waits."""
+        return [t for t in self.transfers[mark:] if t.kind == "wait" or (t.kind == "d2h" and t.blocking)]
 
     def mark(self) -> int:
         return len(self.transfers)

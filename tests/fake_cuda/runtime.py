@@ -79,8 +79,10 @@ class Runtime:
             raise self.record.fault("sync-in-capture", f"{what} while a CUDA graph is being captured")
         self.sync_seen(what, "wait")
 
-    def sync_seen(self, what: str, kind: str, nbytes: int = 0) -> None:
-        self.record.transfers.append(Transfer(kind, what, call_site(), nbytes))
+    def sync_seen(self, what: str, kind: str, nbytes: int = 0, blocking: bool = True) -> None:
+        self.record.transfers.append(Transfer(kind, what, call_site(), nbytes, blocking))
+        if not blocking:
+            return
         if self.sync_debug_mode == 1:
             warnings.warn(f"called a synchronizing CUDA operation: {what}", stacklevel=3)
         elif self.sync_debug_mode == 2:
