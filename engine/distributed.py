@@ -1,14 +1,21 @@
 """The worker processes' torch.distributed group for DEP (data-parallel attention, expert-parallel MoE).
 
 `init_group` forms one group per (re)start of the server:
-- rank 0 (the head) hosts a TCPStore at master_addr:master_port; every other rank connects to it;
+- rank 0 (the head) hosts the rendezvous store (engine/rendezvous_store.py) bound to exactly
+  master_addr:master_port, keyed with the cluster key when there is one (server/cluster_auth.py);
+  every rank connects to it. torch's TCPStore is not used: it listens on every interface and
+  authenticates nobody, and gloo's and NCCL's own rendezvous go through this store;
+- gloo (and NCCL) listen on the interface that reaches master_addr (GLOO_SOCKET_IFNAME /
+  NCCL_SOCKET_IFNAME, unless set already), not on whatever the host name resolves to;
 - every key lives under `ringserve/<generation>/`, so a restarted group (new generation id) never
   meets a stale peer of an earlier one, even on the same store address;
 - each rank first registers itself (`arrived/<rank>`, with its pid, host, world size and backend)
   and waits for all others: a rendezvous that does not complete in time raises one
   `RendezvousError` naming the ranks that never registered, instead of torch's anonymous timeout;
 - then the main group (NCCL on GPU, gloo on CPU) and a gloo group for host-side coordination
-  (step lockstep, EPLB loads) are formed, and a barrier on the gloo group proves both are usable.
+  (step lockstep, EPLB loads) are formed, and a barrier on the gloo group proves both are usable;
+- a rank whose parent (the server that started it) is gone stops waiting at once: no worker is
+  left behind holding the store's port for the rendezvous timeout.
 
 There is one DistGroup per process at a time (it is torch's default group). `close()` destroys
 both groups and releases the store; afterwards the process holds no socket of the group.
@@ -16,15 +23,22 @@ both groups and releases the store; afterwards the process holds no socket of th
 
 from __future__ import annotations
 
+import fcntl
 import json
+import logging
 import os
 import socket
+import struct
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from .rendezvous_store import ClusterStore, StoreError, StoreServer, StoreTimeout
+
+logger = logging.getLogger(__name__)
 
 BACKENDS = ("gloo", "nccl")
 
@@ -51,7 +65,8 @@ class DistGroup:
     group: dist.ProcessGroup
     cpu_group: dist.ProcessGroup
     store: dist.Store  # this generation's PrefixStore: a place for host-side keys of this group
-    _tcp_store: dist.TCPStore | None = field(repr=False, default=None)
+    _client: ClusterStore | None = field(repr=False, default=None)
+    _server: StoreServer | None = field(repr=False, default=None)  # rank 0 only
     _closed: bool = field(repr=False, default=False)
 
     def barrier(self) -> None:
@@ -72,7 +87,8 @@ class DistGroup:
             self._depart(grace_s)
             # Drop our references so the groups' and the store's sockets and threads go now.
             self.group = self.cpu_group = self.store = None  # type: ignore[assignment]
-            self._tcp_store = None
+            _close_store(self._client, self._server)
+            self._client = self._server = None
 
     def _depart(self, grace_s: float) -> None:
         try:
@@ -82,7 +98,7 @@ class DistGroup:
             deadline = time.monotonic() + grace_s
             while self.store.add("departed", 0) < self.world_size - 1 and time.monotonic() < deadline:
                 time.sleep(0.01)
-        except dist.DistError:
+        except StoreError:
             pass  # the store (or its host) is already gone: nothing left to wait for
 
     def __enter__(self) -> DistGroup:
@@ -109,10 +125,11 @@ def init_group(rank: int, world_size: int, master_addr: str, master_port: int, b
     rank % device count)."""
     _check_args(rank, world_size, backend, generation, timeout_s)
     deadline = time.monotonic() + timeout_s
-    tcp = _connect_store(rank, master_addr, master_port, world_size, timeout_s)
-    store = dist.PrefixStore(f"ringserve/{generation}", tcp)  # keys: ringserve/<generation>/<key>
+    server, client = _open_store(rank, master_addr, master_port, timeout_s)
+    store = dist.PrefixStore(f"ringserve/{generation}", client)  # keys: ringserve/<generation>/<key>
     try:
         _register_and_wait(store, rank, world_size, backend, generation, deadline, f"{master_addr}:{master_port}")
+        _listen_toward(master_addr, backend)
         device = _device(backend, rank, local_rank)
         timeout = timedelta(seconds=collective_timeout_s or timeout_s)
         dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world_size,
@@ -122,8 +139,9 @@ def init_group(rank: int, world_size: int, master_addr: str, master_port: int, b
     except BaseException:
         if dist.is_initialized():
             dist.destroy_process_group()
+        _close_store(client, server)
         raise
-    return DistGroup(rank, world_size, backend, generation, device, dist.group.WORLD, cpu_group, store, tcp)
+    return DistGroup(rank, world_size, backend, generation, device, dist.group.WORLD, cpu_group, store, client, server)
 
 
 def _check_args(rank: int, world_size: int, backend: str, generation: str, timeout_s: float) -> None:
@@ -139,24 +157,40 @@ def _check_args(rank: int, world_size: int, backend: str, generation: str, timeo
         raise RuntimeError("a process group is already initialized in this process; close it first")
 
 
-def _connect_store(rank: int, addr: str, port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
-    """Rank 0 hosts the store; the others connect (torch retries until its timeout)."""
-    timeout = timedelta(seconds=timeout_s)
-    try:
-        return dist.TCPStore(addr, port, world_size, rank == 0, timeout, wait_for_workers=False)
-    except dist.DistError as e:
-        if rank == 0:
+def _open_store(rank: int, addr: str, port: int, timeout_s: float) -> tuple[StoreServer | None, ClusterStore]:
+    """Rank 0 hosts the store; every rank connects to it (the connection retries in the
+    background; a rank whose parent dies stops waiting)."""
+    server = None
+    if rank == 0:
+        try:
+            server = StoreServer(addr, port)
+        except StoreError as e:
             raise RendezvousError(f"rank 0 could not host the rendezvous store at {addr}:{port}: {e}", []) from e
-        raise RendezvousError(
-            f"rendezvous timed out after {timeout_s:g} s: rank {rank} could not reach the store of rank 0 at "
-            f"{addr}:{port}; rank 0 did not arrive", [0]) from e
+    parent = os.getppid()
+    client = ClusterStore(addr, port, timedelta(seconds=timeout_s), stop_waiting=lambda: os.getppid() != parent)
+    return server, client
+
+
+def _close_store(client: ClusterStore | None, server: StoreServer | None) -> None:
+    if client is not None:
+        client.close()
+    if server is not None:
+        server.stop()
 
 
 def _register_and_wait(store: dist.Store, rank: int, world_size: int, backend: str, generation: str,
                        deadline: float, where: str) -> None:
     # One process per rank and generation; the same process may retry (same host:pid).
     me_id = f"{socket.gethostname()}:{os.getpid()}"
-    holder = store.compare_set(f"claims/{rank}", "", me_id).decode()
+    parent = os.getppid()
+    try:
+        holder = store.compare_set(f"claims/{rank}", "", me_id).decode()
+    except StoreTimeout as e:
+        if os.getppid() != parent:
+            raise RendezvousError(f"rank {rank}: the server that started it is gone", []) from e
+        raise RendezvousError(
+            f"rendezvous timed out: rank {rank} could not reach the store of rank 0 at {where}; rank 0 did not arrive",
+            [0] if rank else []) from e
     if holder != me_id:
         raise RendezvousError(f"rank {rank} of generation {generation!r} at {where} is already claimed by {holder}", [])
     me = {"pid": os.getpid(), "host": socket.gethostname(), "world_size": world_size, "backend": backend}
@@ -165,11 +199,14 @@ def _register_and_wait(store: dist.Store, rank: int, world_size: int, backend: s
     remaining = max(deadline - time.monotonic(), 0.001)
     try:
         store.wait(keys, timedelta(seconds=remaining))
-    except dist.DistNetworkError as e:
-        raise RendezvousError(f"rendezvous of generation {generation!r} lost the store at {where} (rank 0 left)",
-                              [0] if rank else []) from e
-    except dist.DistStoreError as e:
-        missing = [r for r, key in enumerate(keys) if not store.check([key])]
+    except StoreTimeout as e:
+        if os.getppid() != parent:
+            raise RendezvousError(f"rank {rank}: the server that started it is gone", []) from e
+        try:
+            missing = [r for r, key in enumerate(keys) if not store.check([key])]
+        except StoreTimeout:
+            raise RendezvousError(f"rendezvous of generation {generation!r} lost the store at {where} (rank 0 left)",
+                                  [0] if rank else []) from e
         raise RendezvousError(
             f"rendezvous of generation {generation!r} at {where} timed out: ranks {missing} of world size "
             f"{world_size} did not arrive", missing) from e
@@ -184,6 +221,36 @@ def _check_agreement(store: dist.Store, keys: list[str], world_size: int, backen
         raise RendezvousError(
             f"generation {generation!r}: ranks {odd} disagree on world size/backend "
             f"({[(peers[r]['world_size'], peers[r]['backend']) for r in odd]} vs {(world_size, backend)})", [])
+
+
+def _listen_toward(master_addr: str, backend: str) -> None:
+    """Make gloo (and NCCL) listen on the interface that reaches master_addr, unless the operator
+    named one: by default they take the address the host name resolves to, whatever it is."""
+    name = interface_toward(master_addr)
+    if name is None:
+        logger.info("no interface found for %s; gloo/NCCL pick their own", master_addr)
+        return
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", name)
+    if backend == "nccl":
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", name)
+
+
+def interface_toward(host: str) -> str | None:
+    """The name of the local IPv4 interface whose address routes to `host` (None if not found)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))  # no packet is sent: this only asks the kernel for a route
+            local = s.getsockname()[0]
+            for _, name in socket.if_nameindex():
+                try:
+                    packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+                except OSError:
+                    continue
+                if socket.inet_ntoa(packed[20:24]) == local:
+                    return name
+    except OSError:
+        pass
+    return None
 
 
 def _device(backend: str, rank: int, local_rank: int | None) -> torch.device:

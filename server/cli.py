@@ -1,5 +1,5 @@
 """The `ringserve` command line: make-model, generate, kv-report, memory-report, train-builtin, serve, bench,
-warm-kernels.
+warm-kernels, cluster-key, systemd-unit.
 
 Every user error (bad flag value, unreadable checkpoint, invalid sampling parameter) ends as
 one line `ringserve: error: …` on stderr and exit status 2, never a traceback.
@@ -215,8 +215,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one node (server), a multi-node group's head / headless node, a PD prefill or decode "
                         "server (--kv-role), or the PD proxy (then the flags are ringserve proxy's) "
                         "(default: from the serve flags)")
+    p.add_argument("--cluster-key-file", default=None, metavar="PATH",
+                   help="the cluster key's absolute path on the node: the unit hands it over with LoadCredential=")
     p.add_argument("serve_args", nargs=argparse.REMAINDER, help="flags for ringserve serve (or proxy)")
     p.set_defaults(func=_cmd_systemd_unit)
+    p = sub.add_parser("cluster-key", help="make the secret the nodes of a group (and a PD pair) share; printed once")
+    p.add_argument("--out", type=Path, default=None,
+                   help="also write it to this new file, mode 0600 (never overwrites)")
+    p.set_defaults(func=_cmd_cluster_key)
     p = sub.add_parser("warm-kernels", help="compile the CPU kernels into numba's cache now (scripts/setup.sh runs "
                        "it), so that a first serve does not wait for the compiler")
     p.add_argument("model_dirs", nargs="*", type=Path,
@@ -259,15 +265,38 @@ def _cmd_train_builtin(args: argparse.Namespace) -> int:
     return train_main(list(args.train_args))
 
 
+def _cmd_cluster_key(args: argparse.Namespace) -> int:
+    from server.cluster_auth import generate_key, write_key_file
+
+    key = generate_key()
+    if args.out is not None:
+        write_key_file(args.out, key)  # ClusterKeyError (one line) if it exists
+        print(f"ringserve: wrote a new cluster key to {args.out} (mode 0600); copy that file to every node of the "
+              f"group or PD pair (e.g. /etc/ringserve/cluster.key) and pass it with --cluster-key-file",
+              file=sys.stderr)
+    else:
+        print("ringserve: a new cluster key; it is not stored anywhere and will not be shown again",
+              file=sys.stderr)
+    print(key, flush=True)
+    return 0
+
+
 def _cmd_systemd_unit(args: argparse.Namespace) -> int:
     import shutil
 
-    from server.systemd import render_unit
+    from server.systemd import render_unit, unit_warnings
 
     serve_args = [a for a in args.serve_args if a != "--"]
+    if any(a == "--cluster-key-file" or a.startswith("--cluster-key-file=") for a in serve_args):
+        raise CliError("give the key as `systemd-unit --cluster-key-file PATH -- FLAGS`: the unit loads it as a "
+                       "credential (LoadCredential=) instead of naming it in ExecStart")
+    key_file = args.cluster_key_file
+    if key_file is not None and not Path(key_file).is_absolute():
+        raise CliError(f"--cluster-key-file must be an absolute path on the node, got {key_file!r}")
     exec_path = shutil.which("ringserve") or str(Path(sys.executable).with_name("ringserve"))
     if args.role == "proxy":
         probe = build_parser().parse_args(["proxy", *serve_args])  # validate the flags now, not at boot
+        _warn(unit_warnings(serve_args, "proxy", None))
         print(render_unit(serve_args, exec_path=exec_path, user=args.user, drain_timeout_s=probe.drain_timeout,
                           watchdog_s=args.watchdog_sec, role="proxy", command="proxy"), end="")
         return 0
@@ -285,9 +314,15 @@ def _cmd_systemd_unit(args: argparse.Namespace) -> int:
         raise CliError(f"--role {args.role} does not match the serve flags, which describe a {role} "
                        f"(a head runs ranks from 0 with --data-parallel-size-local < --data-parallel-size; "
                        f"a prefill or decode server has --kv-role prefill|decode --kv-transfer nixl)")
+    _warn(unit_warnings(serve_args, role, key_file))
     print(render_unit(serve_args, exec_path=exec_path, user=args.user, drain_timeout_s=probe.drain_timeout,
-                      watchdog_s=args.watchdog_sec, role=role), end="")
+                      watchdog_s=args.watchdog_sec, role=role, cluster_key_file=key_file), end="")
     return 0
+
+
+def _warn(lines: list[str]) -> None:
+    for line in lines:
+        print(f"ringserve: warning: {line}", file=sys.stderr)
 
 
 def _cmd_kv_report(args: argparse.Namespace) -> int:

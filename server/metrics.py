@@ -49,6 +49,8 @@ from typing import Sequence
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
 
+from .channel_guard import REGISTRY as CHANNEL_REGISTRY
+
 logger = logging.getLogger(__name__)
 
 PREFIX = "ringserve:"
@@ -270,9 +272,11 @@ class Metrics:
         while prometheus_client 0.26's OpenMetrics encoder (what Prometheus 2.x asks for first)
         rewrites ``ringserve:`` to ``ringserve_`` in sample lines but not in ``# TYPE`` lines.
         Counters and histograms also export ``*_created`` series unless the process runs with
-        ``PROMETHEUS_DISABLE_CREATED_SERIES=true`` (a prometheus_client switch).
+        ``PROMETHEUS_DISABLE_CREATED_SERIES=true`` (a prometheus_client switch). The internal
+        channels' counters (server/channel_guard.py: dropped messages, refused and closed
+        connections) follow; they are per process, not per model.
         """
-        return generate_latest(self.registry), CONTENT_TYPE
+        return generate_latest(self.registry) + generate_latest(CHANNEL_REGISTRY), CONTENT_TYPE
 
 
 class RequestTimer:

@@ -8,7 +8,14 @@ out. It never decodes them; the ranks and the head do.
 
 A rank that exits is reported to the head and ends this node with status 1 (an expert-parallel
 group cannot heal; systemd restarts the node, which joins the next generation). SIGTERM, or the
-head saying bye, stops the ranks and exits 0.
+head saying bye, stops the ranks and exits 0. So does any of its relay tasks dying (status 1,
+with the cause): a node never runs half alive.
+
+The connection is keyed like the head's port (server/cluster_auth.py): a head that refuses this
+node's handshake (the cluster keys differ, or only one side has one) ends the join at once with
+one line saying so, rather than after the rendezvous timeout. What the head sends is checked
+like anything else received: a message that does not decode, or names a rank or a channel this
+node does not serve, is dropped and counted.
 """
 
 from __future__ import annotations
@@ -27,9 +34,13 @@ from ipc import Shutdown, WorkerReady, decode
 from ipc.errors import IpcError, RingClosed, RingTimeout
 from ipc.segment import remove_orphans
 
+from . import cluster_auth
+from .channel_guard import DropLog, guarded
 from .engine_client import _slot_bytes, config_digest, worker_device
-from .links import (CHANNELS, DECODE, ENCODE, NODE_ALIVE_S, LocalLink, NodeAlive, NodeBye, NodeHello, NodeRefused,
-                    NodeWelcome, RankExited, RankMessage, heartbeat_socket)
+from .links import LocalLink
+from .node_wire import (DECODE, ENCODE, ENVELOPE_BYTES, NODE_ALIVE_S, TO_RANK, NodeAlive, NodeBye, NodeHello,
+                        NodeRefused, NodeWelcome, RankExited, RankMessage, heartbeat_socket)
+from .rank_link import CHANNELS
 from .worker_entry import WorkerArgs
 
 logger = logging.getLogger(__name__)
@@ -42,11 +53,17 @@ class NodeError(ConnectionError):
 
 class HeadlessNode:
     def __init__(self, model_dir: str, config: EngineConfig, parallel: ParallelConfig, device: str = "cpu",
-                 threads_per_worker: int | None = None):
+                 threads_per_worker: int | None = None, auth: cluster_auth.ClusterAuth | None = None):
         import os
 
         self.model_dir, self.config, self.parallel, self.device = str(model_dir), config, parallel, device
         self.threads = threads_per_worker or max(1, (os.cpu_count() or 1) // parallel.local_size)
+        self.auth = auth or cluster_auth.current()
+        # This node's ranks listen too (their gloo/NCCL ports, on the interface toward the head).
+        self.auth.check_listen(parallel.data_parallel_address, "this node's ranks (toward the head at "
+                               f"{parallel.data_parallel_address})")
+        self.ring = RingConfig(slot_bytes=_slot_bytes(config.max_model_len), num_slots=64)
+        self.drops = DropLog(cluster_auth.NODE_CHANNEL)
         self.ctx = zmq.asyncio.Context()
         self.sock: zmq.asyncio.Socket | None = None
         self.links: dict[int, LocalLink] = {}
@@ -60,15 +77,24 @@ class HeadlessNode:
         remove_orphans()
         loop = asyncio.get_running_loop()
         tasks: list[asyncio.Future] = []
+        for sig in (signal.SIGTERM, signal.SIGINT):  # from the start: a stop while joining is honoured
+            loop.add_signal_handler(sig, self._stop.set)
         try:
-            self._start_ranks(await self._join())
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, self._stop.set)
-            tasks = [asyncio.ensure_future(self._from_head()), asyncio.ensure_future(self._watch_head()),
-                     asyncio.ensure_future(self._keep_alive())]
+            join = asyncio.ensure_future(self._join())
+            stopped = asyncio.ensure_future(self._stop.wait())
+            await asyncio.wait([join, stopped], return_when=asyncio.FIRST_COMPLETED)
+            stopped.cancel()
+            if not join.done():
+                join.cancel()
+                await asyncio.gather(join, return_exceptions=True)
+                return self.exit_code
+            self._start_ranks(join.result())  # NodeError if the head refused or never answered
+            jobs = [(self._from_head(), "the relay from the head"), (self._watch_head(), "the head watcher"),
+                    (self._keep_alive(), "the keep-alive")]
             for link in self.links.values():
                 link.watch_exit(loop, lambda link=link: self._rank_exited(link))
-                tasks += [asyncio.ensure_future(self._to_head(link, ch)) for ch in ("outputs", "status")]
+                jobs += [(self._to_head(link, ch), f"rank {link.rank}'s {ch} relay") for ch in ("outputs", "status")]
+            tasks = [asyncio.ensure_future(guarded(coro, self._task_failed, what)) for coro, what in jobs]
             await self._stop.wait()
         finally:
             for task in tasks:
@@ -76,6 +102,10 @@ class HeadlessNode:
             await asyncio.gather(*tasks, return_exceptions=True)
             await self._shutdown()
         return self.exit_code
+
+    def _task_failed(self, reason: str) -> None:
+        self.failure, self.exit_code = reason, 1
+        self._stop.set()
 
     @property
     def ready(self) -> bool:
@@ -95,28 +125,47 @@ class HeadlessNode:
         deadline, wait = loop.time() + p.rendezvous_timeout_s, 0.5
         # One connection (ZeroMQ connects, and reconnects, in the background and queues the hello
         # until then); the hello is repeated with back-off until the head answers it.
-        self.sock = heartbeat_socket(self.ctx.socket(zmq.DEALER))
-        self.sock.connect(f"tcp://{p.data_parallel_address}:{p.data_parallel_rpc_port}")
-        while True:
-            await self.sock.send(hello)
-            until = min(loop.time() + wait, deadline)
-            while (left := until - loop.time()) > 0 and await self.sock.poll(timeout=max(1, int(left * 1000))):
-                try:
-                    msg = DECODE(await self.sock.recv())
-                except (msgspec.DecodeError, msgspec.ValidationError):
-                    continue
-                if isinstance(msg, NodeWelcome):
-                    return msg.generation
-                if isinstance(msg, NodeRefused):
-                    raise NodeError(f"the head refused this node: {msg.reason}")
-            if loop.time() >= deadline:
-                raise NodeError(f"no head answered at {p.data_parallel_address}:{p.data_parallel_rpc_port} within "
-                                f"{p.rendezvous_timeout_s:g} s (this node runs ranks {list(p.local_ranks)})")
-            wait = min(wait * 2, 5.0)
+        self.sock = heartbeat_socket(self.ctx.socket(zmq.DEALER), self.ring.payload_bytes + ENVELOPE_BYTES)
+        self.auth.secure_client(self.sock, cluster_auth.NODE_CHANNEL)
+        handshake = self.sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                                                 | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+        self.sock.connect(cluster_auth.tcp_endpoint(self.sock, p.data_parallel_address, p.data_parallel_rpc_port))
+        try:
+            while True:
+                await self.sock.send(hello)
+                until = min(loop.time() + wait, deadline)
+                while (left := until - loop.time()) > 0:
+                    ready = dict(await self._poller(handshake).poll(timeout=max(1, int(left * 1000))))
+                    if handshake in ready:
+                        raise NodeError(f"the head at {p.data_parallel_address}:{p.data_parallel_rpc_port} refused "
+                                        f"this node's handshake: the cluster keys differ, or only one side has one")
+                    if self.sock not in ready:
+                        break
+                    try:
+                        msg = DECODE(await self.sock.recv())
+                    except (msgspec.DecodeError, msgspec.ValidationError):
+                        continue
+                    if isinstance(msg, NodeWelcome):
+                        return msg.generation
+                    if isinstance(msg, NodeRefused):
+                        raise NodeError(f"the head refused this node: {msg.reason}")
+                if loop.time() >= deadline:
+                    raise NodeError(f"no head answered at {p.data_parallel_address}:{p.data_parallel_rpc_port} "
+                                    f"within {p.rendezvous_timeout_s:g} s (this node runs ranks {list(p.local_ranks)})")
+                wait = min(wait * 2, 5.0)
+        finally:
+            self.sock.disable_monitor()
+            handshake.close(linger=0)
+
+    def _poller(self, *others: zmq.Socket) -> zmq.asyncio.Poller:
+        poller = zmq.asyncio.Poller()
+        for sock in (self.sock, *others):
+            poller.register(sock, zmq.POLLIN)
+        return poller
 
     def _start_ranks(self, generation: str) -> None:
         p = self.parallel
-        ring = RingConfig(slot_bytes=_slot_bytes(self.config.max_model_len), num_slots=64)
+        ring = self.ring
         for rank in p.local_ranks:
             def make_args(requests, control, outputs, status, rank=rank) -> WorkerArgs:
                 return WorkerArgs(rank, self.model_dir, self.config.to_json().decode(), p.to_json().decode(),
@@ -128,19 +177,24 @@ class HeadlessNode:
 
     async def _from_head(self) -> None:
         while True:
-            try:
-                msg = DECODE(await self.sock.recv())
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                logger.error("undecodable message from the head (%s); ignored", exc)
+            frames = await self.sock.recv_multipart()
+            if len(frames) != 1:
+                self.drops.drop("the head", "frames", f"{len(frames)} frames, 1 expected")
                 continue
-            if isinstance(msg, RankMessage):
-                link = self.links.get(msg.rank)
-                if link is not None and CHANNELS[msg.channel] in ("requests", "control"):
-                    await link.send(CHANNELS[msg.channel], msg.payload, timeout=3600.0)
+            try:
+                msg = DECODE(frames[0])
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                self.drops.drop("the head", "undecodable", str(exc))
+                continue
+            link = self.links.get(getattr(msg, "rank", -1))
+            if isinstance(msg, RankMessage) and link is not None and msg.channel in TO_RANK:
+                await link.send(CHANNELS[msg.channel], msg.payload, timeout=3600.0)
             elif isinstance(msg, NodeBye):
                 logger.warning("the head says: %s", msg.reason)
                 self._stop.set()
                 return
+            elif not isinstance(msg, NodeWelcome):  # a welcome repeated for a repeated hello is harmless
+                self.drops.drop("the head", "not_allowed", f"{type(msg).__name__} for rank {getattr(msg, 'rank', '-')}")
 
     async def _keep_alive(self) -> None:
         """Tell the head this node is up, whatever its ranks are doing (loading sends nothing)."""

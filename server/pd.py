@@ -2,8 +2,9 @@
 weights (part of the KV compatibility hash), and the `/kv_transfer/stats` route.
 
 `--kv-role prefill|decode|both --kv-transfer nixl` gives every rank a KV connector
-(engine/kv_connector.py). The prefill ranks listen for NIXL metadata on `--kv-transfer-port`
-+ rank (or a free port each) and advertise `--kv-transfer-host`; a decode reaches them there.
+(engine/kv_connector.py). The prefill ranks serve their NIXL metadata on the KV side channel
+(engine/kv_transfer/side_channel.py, keyed with the cluster key) at `--kv-transfer-host`,
+port `--kv-transfer-port` + rank (or a free port each); a decode reaches them there.
 DeepSeek-V4.1 moves only its global records (compressed KV, index keys); the decode rebuilds the
 sliding state by replaying the prompt's last positions (engine/kv_transfer/plan.py
 `replay_policy`). No torch here: this runs in the HTTP process.
@@ -12,12 +13,15 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import socket
 from pathlib import Path
 
 from aiohttp import web
 
-from engine.kv_transfer.config import FAILURE_POLICIES, ROLES, TRANSPORTS, KVTransferConfig
+from engine.kv_transfer.config import FAILURE_POLICIES, NIXL_INSTALL, NIXL_MODULES, ROLES, TRANSPORTS, KVTransferConfig
+
+from .cluster_auth import ClusterAuth
 
 _SAMPLE = 64 << 10  # bytes hashed at each sampled offset of a weight file
 
@@ -73,6 +77,21 @@ def kv_transfer_config_from(args: argparse.Namespace, model_dir: Path | None) ->
                             connect_timeout_s=args.kv_connect_timeout,
                             model_id=model_fingerprint(model_dir) if model_dir else "", idle_peer_s=args.kv_peer_idle_timeout,
                             replay_tokens=args.kv_replay_tokens)
+
+
+def check_pd_listeners(args: argparse.Namespace, kv: KVTransferConfig | None, auth: ClusterAuth) -> None:
+    """Before anything starts: NIXL is installed, and without a cluster key (nothing then
+    authenticates a PD peer) the KV side channel — it hands out this engine's NIXL metadata,
+    memory keys included — and, on a decode, the HTTP port (where unsigned kv_transfer_params
+    would be believed) are on loopback."""
+    if kv is None:
+        return
+    if not any(importlib.util.find_spec(name) for name in NIXL_MODULES):
+        raise ValueError(f"--kv-transfer nixl needs NIXL, which is not installed: {NIXL_INSTALL}")
+    if kv.prefills:
+        auth.check_listen(kv.host, f"the KV side channel (--kv-transfer-host {kv.host})")
+    if kv.decodes:
+        auth.check_listen(args.host, f"a {kv.role} server taking kv_transfer_params (--host {args.host})")
 
 
 def advertised_host(args: argparse.Namespace) -> str:

@@ -19,11 +19,11 @@ from pathlib import Path
 
 from aiohttp import web
 
-from . import systemd
+from . import cluster_auth, systemd
 from .app import make_app
 from .http import Runner
 from .metrics import Metrics
-from .pd import add_kv_routes, add_pd_args, kv_transfer_config_from
+from .pd import add_kv_routes, add_pd_args, check_pd_listeners, kv_transfer_config_from
 from .protocol import Limits
 from .state import AppState
 from .systemd import WatchdogFeeder
@@ -54,20 +54,41 @@ def add_serve_parser(sub: argparse._SubParsersAction, add_engine_args) -> None:
                    help="a worker whose heartbeats stop for this long is reported stuck (stopped, or holding the GIL)")
     p.add_argument("--threads-per-worker", type=int, default=None)
     p.add_argument("--device", default="cpu", help="cpu, or cuda (one worker per GPU)")
+    add_cluster_args(p)
     add_engine_args(p)
     add_pd_args(p)
     p.set_defaults(func=cmd_serve)
 
 
+def add_cluster_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("internal channels (multi-node, prefill/decode)")
+    g.add_argument("--cluster-key-file", default=None, metavar="PATH",
+                   help="the secret every node of the group (and both sides of a PD pair) shares, made by "
+                        "`ringserve cluster-key`: authenticates and encrypts the node channel, the rendezvous store "
+                        "and the KV side channel, and signs kv_transfer_params (also $RINGSERVE_CLUSTER_KEY_FILE "
+                        "or $RINGSERVE_CLUSTER_KEY). Without it those listen on loopback only")
+    g.add_argument("--insecure-cluster", action="store_true",
+                   help="let the internal channels listen off loopback without a cluster key (trusted networks only)")
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from ipc.loop import new_event_loop
 
+    auth = cluster_auth.configure(args.cluster_key_file, args.insecure_cluster)  # ClusterKeyError: one line
+    if _has_internal_channels(args):
+        print(f"ringserve: {auth.describe()}", flush=True)
     loop = new_event_loop()
     asyncio.set_event_loop(loop)
     try:
         return loop.run_until_complete(serve_headless(args) if args.headless else serve(args))
     finally:
         loop.close()
+
+
+def _has_internal_channels(args: argparse.Namespace) -> bool:
+    """Whether this server listens for other processes than its own workers and HTTP clients."""
+    multi_node = args.headless or (args.data_parallel_size_local or args.dp) < args.dp
+    return multi_node or args.enable_expert_parallel or args.kv_transfer is not None
 
 
 async def serve_headless(args: argparse.Namespace) -> int:
@@ -79,8 +100,9 @@ async def serve_headless(args: argparse.Namespace) -> int:
     model_dir = Path(args.model_dir) if args.model_dir else builtin_model_dir()
     parallel = parallel_config_from(args)
     config = replace(engine_config_from(args), kv_transfer=kv_transfer_config_from(args, model_dir))
+    check_pd_listeners(args, config.kv_transfer, cluster_auth.current())
     node = HeadlessNode(model_dir, config.resolved(), parallel, device=args.device,
-                        threads_per_worker=args.threads_per_worker)
+                        threads_per_worker=args.threads_per_worker, auth=cluster_auth.current())
     ranks = f"ranks {parallel.local_ranks.start}-{parallel.local_ranks.stop - 1}"
     head = f"{parallel.data_parallel_address}:{parallel.data_parallel_rpc_port}"
     feeder = WatchdogFeeder(lambda: node.healthy)
@@ -107,14 +129,26 @@ async def serve(args: argparse.Namespace) -> int:
 
     model_dir = Path(args.model_dir) if args.model_dir else builtin_model_dir()
     kv_transfer = kv_transfer_config_from(args, model_dir)  # a bad --kv-* flag fails before anything loads
+    parallel = parallel_config_from(args)
+    auth = cluster_auth.current()
+    check_pd_listeners(args, kv_transfer, auth)
+    if parallel.multi_node or parallel.grouped:  # the node port, the rendezvous store, gloo/NCCL
+        auth.check_listen(parallel.data_parallel_address, f"the head's node port and rendezvous store "
+                          f"(--data-parallel-address {parallel.data_parallel_address})")
     model_cfg = ModelConfig.from_model_dir(model_dir)
     tokenizer = Tokenizer.from_dir(model_dir)
     config = replace(engine_config_from(args), kv_transfer=kv_transfer).resolved()
     name = args.served_model_name or (model_dir.name if args.model_dir else "ringserve-builtin")
     client = EngineClient(model_dir, config, device=args.device, threads_per_worker=args.threads_per_worker,
                           stuck_after_s=args.watchdog_timeout, liveness_timeout_s=args.worker_liveness_timeout,
-                          parallel=parallel_config_from(args))
-    await client.start()
+                          parallel=parallel)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # from the start: a stop while loading stops every worker
+        loop.add_signal_handler(sig, stop.set)
+    if not await _start_unless_stopped(client, stop):
+        logger.warning("stopped while starting: every worker is stopped")
+        return 0
     limits = Limits(max_body_bytes=args.max_request_bytes)
     state = AppState(client, tokenizer, [name], model_cfg.vocab_size, client.max_model_len, limits=limits,
                      api_key=args.api_key, max_running=args.dp * config.max_num_seqs,
@@ -134,7 +168,6 @@ async def serve(args: argparse.Namespace) -> int:
         await client.shutdown()
         raise OSError(f"cannot listen on {args.host}:{args.port}: {exc.strerror}") from None
     state.ready = True
-    stop = asyncio.Event()
     exit_code = 0
 
     def on_dead(rank: int) -> None:
@@ -143,9 +176,6 @@ async def serve(args: argparse.Namespace) -> int:
         stop.set()
 
     client.on_dead.append(on_dead)
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     stats_task = asyncio.ensure_future(_publish_stats(state, client))
     feeder = WatchdogFeeder(lambda: client.healthy and not client.stuck)  # hung or dead worker: stop feeding
     feeder.start()
@@ -172,6 +202,22 @@ async def serve(args: argparse.Namespace) -> int:
         await asyncio.sleep(0.02)
     await runner.cleanup()
     return exit_code
+
+
+async def _start_unless_stopped(client, stop: asyncio.Event) -> bool:
+    """Start the engine client; False if `stop` was set first (then the start is cancelled, and
+    the client's own clean-up stops every rank it had started: no worker outlives the server)."""
+    start = asyncio.ensure_future(client.start())
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([start, stopped], return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if start.done():
+        start.result()  # a failed start raises here
+        return True
+    start.cancel()
+    await asyncio.gather(start, return_exceptions=True)
+    await client.shutdown(timeout_s=5.0)  # idempotent: covers a cancel that landed before start's own clean-up
+    return False
 
 
 # After the engine stops, how long handlers get to write their streams' last events (an error

@@ -30,11 +30,14 @@ import re
 import socket
 from typing import Callable
 
+from . import cluster_auth
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "sd_notify", "notify_ready", "notify_stopping", "notify_status", "notify_watchdog",
     "notify_extend_timeout", "watchdog_interval_s", "WatchdogFeeder", "render_unit", "systemd_quote",
+    "unit_warnings",
 ]
 
 
@@ -253,10 +256,17 @@ UNIT_ROLES = {  # role → (unit file name, description)
 }
 
 
+# Beyond @system-service: NUMA placement (CUDA, NCCL and UCX pin host buffers to a node) and
+# cross-memory attach (UCX's and NCCL's intra-node copies between processes); a call the filter
+# refuses fails with EPERM rather than killing the process, so a missing one shows in the log.
+SYSCALL_FILTER = ("@system-service", "mbind", "get_mempolicy", "set_mempolicy", "migrate_pages", "move_pages",
+                  "process_vm_readv", "process_vm_writev", "pidfd_getfd")
+
+
 def render_unit(serve_args: list[str], *, exec_path: str, user: str | None, drain_timeout_s: float,
                 watchdog_s: float = 60, working_dir: str | None = None,
                 start_timeout_s: float = 3600, restart_sec: float = 15, role: str = "server",
-                command: str = "serve") -> str:
+                command: str = "serve", cluster_key_file: str | None = None) -> str:
     """Return a systemd service unit that runs ``<exec_path> serve <serve_args...>`` on one node.
 
     ``role``: "server" (one node), "head" (a multi-node group's node with the HTTP server) or
@@ -270,7 +280,9 @@ def render_unit(serve_args: list[str], *, exec_path: str, user: str | None, drai
     ``TimeoutStopSec`` is the drain timeout plus a margin of max(30 s, 10 %), so ``KillMode=mixed``
     only SIGKILLs the cgroup after the drain had its chance. ``watchdog_s=0`` disables the
     watchdog. ``start_timeout_s`` bounds model loading; the server may extend it with
-    :func:`notify_extend_timeout`.
+    :func:`notify_extend_timeout`. ``cluster_key_file`` (an absolute path on the node) is handed to
+    the service with ``LoadCredential=`` (server/cluster_auth.py finds it in
+    ``$CREDENTIALS_DIRECTORY``): never on the command line, unreadable by other services.
     """
     if not os.path.isabs(exec_path):
         raise ValueError(f"exec_path must be absolute, got {exec_path!r}")
@@ -282,16 +294,21 @@ def render_unit(serve_args: list[str], *, exec_path: str, user: str | None, drai
         raise ValueError(f"invalid user name {user!r}")
     if role not in UNIT_ROLES:
         raise ValueError(f"role must be one of {', '.join(UNIT_ROLES)}, got {role!r}")
+    if cluster_key_file is not None and not os.path.isabs(cluster_key_file):
+        raise ValueError(f"cluster_key_file must be absolute, got {cluster_key_file!r}")
     unit_name, description = UNIT_ROLES[role]
 
     stop_timeout = math.ceil(drain_timeout_s + max(30.0, 0.1 * drain_timeout_s))
     exec_line = " ".join(systemd_quote(a) for a in [exec_path, command, *serve_args])
     identity = [f"User={user}", "RemoveIPC=yes"] if user else ["DynamicUser=yes"]
     devices = [f"DeviceAllow={node} {mode}" for node, mode in _DEVICE_ALLOW] if role != "proxy" else []
+    credential = ([f"LoadCredential={cluster_auth.CREDENTIAL_NAME}:{_plain_value(cluster_key_file)}"]
+                  if cluster_key_file else [])
     pd_notes = {
-        "prefill": ["# PD: decode servers must reach this node's NIXL listener (--kv-transfer-port + rank,",
-                    "# TCP, plus the UCX data ports; UCX_TLS / UCX_NET_DEVICES in a drop-in pick transports)."],
-        "decode": ["# PD: this node READs from the prefill servers' NIXL listeners and UCX ports."],
+        "prefill": ["# PD: decode servers must reach this node's NIXL listener (the KV side channel:",
+                    "# --kv-transfer-port + rank, TCP) and the UCX data ports; UCX_TLS / UCX_NET_DEVICES in a",
+                    "# drop-in pick transports."],
+        "decode": ["# PD: this node READs from the prefill servers' KV side channels and UCX ports."],
         "proxy": ["# PD: the proxy only needs to reach the prefill and decode servers' HTTP ports."],
     }.get(role, [])
 
@@ -303,10 +320,13 @@ def render_unit(serve_args: list[str], *, exec_path: str, user: str | None, drai
         f"#   systemd-analyze verify /etc/systemd/system/{unit_name}",
         f"#   systemctl daemon-reload && systemctl enable --now {unit_name}",
         *(["# Multi-node: every node of the group must be able to reach the head's rpc port and the",
-           "# next one (the rendezvous store); the ranks' collectives use further ports (gloo/NCCL:",
-           "# set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME in a drop-in to pick the interface)."]
+           "# next one (the rendezvous store); the ranks' collectives use further ports (gloo/NCCL, on",
+           "# the interface toward the head; GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME in a drop-in override it)."]
           if role in ("head", "headless") else []),
         *pd_notes,
+        *(["# The cluster key (`ringserve cluster-key --out FILE`, the same file on every node of the group",
+           "# or PD pair, mode 0600, owned by root) reaches the service as a credential (LoadCredential=)."]
+          if cluster_key_file else []),
         "# Model weights must be readable by the service user outside /home (ProtectHome=yes),",
         "# e.g. under /var/lib/ringserve (StateDirectory). Load nvidia-uvm at boot: the service",
         "# cannot load kernel modules. With User=, use a dedicated account: RemoveIPC=yes deletes that",
@@ -354,6 +374,16 @@ def render_unit(serve_args: list[str], *, exec_path: str, user: str | None, drai
         "AmbientCapabilities=",
         "RestrictSUIDSGID=yes",
         "LockPersonality=yes",
+        "RestrictNamespaces=yes",
+        "RestrictRealtime=yes",
+        "ProtectClock=yes",
+        "ProtectHostname=yes",
+        "ProtectProc=invisible",
+        "UMask=0077",
+        "SystemCallArchitectures=native",
+        f"SystemCallFilter={' '.join(SYSCALL_FILTER)}",
+        "SystemCallErrorNumber=EPERM",
+        *credential,
         "DevicePolicy=closed",
         *devices,
         "",
@@ -373,3 +403,29 @@ def _plain_value(value: str) -> str:
 
 def _num(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+_WILDCARDS = ("0.0.0.0", "::", "[::]", "")
+
+
+def unit_warnings(serve_args: list[str], role: str, cluster_key_file: str | None) -> list[str]:
+    """What a rendered unit would expose that its flags do not protect (printed at render time)."""
+    def value(flag: str) -> str | None:
+        for i, a in enumerate(serve_args):
+            if a == flag and i + 1 < len(serve_args):
+                return serve_args[i + 1]
+            if a.startswith(flag + "="):
+                return a.split("=", 1)[1]
+        return None
+
+    out = []
+    host = value("--host")
+    if role != "headless" and host in _WILDCARDS and value("--api-key") is None:
+        out.append(f"--host {host} without --api-key: every interface of this machine serves the API with no "
+                   f"authentication (add --api-key, or fence the port with IPAddressAllow= in a drop-in)")
+    if role in ("head", "headless", "prefill", "decode") and cluster_key_file is None \
+            and "--insecure-cluster" not in serve_args:
+        out.append(f"a {role} unit without a cluster key: its internal channels listen on loopback only, so other "
+                   f"machines cannot join (make one with `ringserve cluster-key --out FILE`, copy it to every node, "
+                   f"and render with --cluster-key-file FILE)")
+    return out

@@ -18,7 +18,9 @@ from msgspec import Meta, Struct
 ROLES = ("prefill", "decode", "both")
 TRANSPORTS = ("nixl",)
 FAILURE_POLICIES = ("fail", "recompute")
-KEY_ENV = "RINGSERVE_KV_TRANSFER_KEY"  # optional shared secret: HMAC over kv_transfer_params
+# The NIXL wheels ringserve can use (the CUDA 12 one is what the `pd` extra installs).
+NIXL_MODULES = ("nixl_cu12", "nixl_cu13", "nixl")
+NIXL_INSTALL = "pip install 'ringserve[pd]' (or: pip install nixl-cu12)"
 
 Seconds = Annotated[float, Meta(gt=0.0, le=86400.0)]
 

@@ -3,14 +3,13 @@ the counters; and the plan → spans → digests arithmetic both sides must do i
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from . import digest
-from .config import KEY_ENV, KVTransferConfig
+from .config import KVTransferConfig
 from .plan import TransferPlan, make_plan
 
 if TYPE_CHECKING:
@@ -54,6 +53,10 @@ class ConnectorContext:
     replay_tokens: int = 0
     replay_align: int = 1
 
+    def __post_init__(self) -> None:
+        if self.port:  # a prefill: its side channel listens where decodes are told to reach it
+            self.transport.listen_at(self.host)
+
     @property
     def name(self) -> str:
         return self.transport.name
@@ -72,13 +75,15 @@ class ConnectorContext:
 
 
 def shared_key() -> bytes | None:
-    """The optional HMAC key over kv_transfer_params (both engines must set the same)."""
-    value = os.environ.get(KEY_ENV, "")
-    return value.encode() if value else None
+    """The HMAC key over kv_transfer_params, derived from the cluster key (server/cluster_auth.py;
+    a worker finds it through the environment its server exported), or None without one."""
+    from server import cluster_auth
+
+    return cluster_auth.current().mac_key(cluster_auth.KV_PARAMS_MAC)
 
 
 def free_port() -> int:
-    """A TCP port free on every interface now (NIXL's listener binds them all)."""
+    """A TCP port free on every interface now (so also on the side channel's address)."""
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]

@@ -5,8 +5,9 @@ more tensors [num_blocks, …], e.g. one KV pool, one tensor per writer layer); 
 prepares one NIXL descriptor per (tensor, block), so a transfer names blocks by index. The
 reader (decode) connects to the server (prefill):
 
-  1. `fetch_remote_metadata` through the server's NIXL listener (UCX connection info and
-     memory keys), then `send_local_metadata` back so the server can notify the reader;
+  1. metadata over the KV side channel (side_channel.py): the reader sends its NIXL metadata
+     and gets the server's (UCX connection info and memory keys) back, over a ZeroMQ socket
+     that only holders of the cluster key can talk to;
   2. `Hello{compat_hash, nonce}` as a notification; the server compares the hash with its own
      and answers `HelloReply{ok, compat_hash, regions}`: the geometry (base address, block
      bytes, block count per tensor) to READ from, or a refusal with the reason. The reader
@@ -14,18 +15,17 @@ reader (decode) connects to the server (prefill):
      then prepares the remote descriptor list. A mismatch on either side is `IncompatiblePeer`.
 
 Handshake messages carry `protocol.HANDSHAKE_MAGIC`, so the transport consumes them and
-`notifications()` returns only the application's. The server answers handshakes from
-`notifications()` / `pump()`: its loop must call one of them regularly (every engine step).
+`notifications()` returns only the application's. The server answers side-channel requests and
+handshakes from `notifications()` / `pump()`: its loop must call one of them regularly (every
+engine step).
 
 A `Transfer` is usable only once `poll()` says "done": a transfer that fails (peer killed:
 NIXL reports `nixlRemoteDisconnectError` ≈50–150 ms later) or times out raises
 `TransferFailed`, and may have landed part of its bytes. A timed-out peer is disconnected so
 that nothing more can land; the local blocks stay the caller's to discard.
 
-Both sides run NIXL's listener thread: the server's on a known port (what `remote_port`
-advertises), the reader's on an ephemeral one, because NIXL performs `fetch_remote_metadata`
-from that thread. The listener binds every interface and serves the agent's metadata (memory
-keys included) to whoever asks; like vLLM's NIXL connector this is for a trusted network only.
+NIXL's own metadata listener stays off (it binds every interface and answers anyone); the side
+channel listens on `listen_host` (the prefill's advertised address), port `listen_port`.
 Not thread-safe: one thread (the engine loop) drives a transport.
 """
 from __future__ import annotations
@@ -44,11 +44,13 @@ from typing import Any
 import msgspec
 import numpy as np
 import torch
+import zmq
 
 from . import protocol as wire
+from .config import NIXL_INSTALL, NIXL_MODULES
+from .side_channel import MetadataFetch, SideChannelError, SideChannelServer, agent_name
 
 log = logging.getLogger(__name__)
-_NIXL_MODULES = ("nixl_cu12", "nixl_cu13", "nixl")
 _HANDSHAKE_RESEND_S = 0.5
 _PENDING_HELLO_S = 5.0
 _LOG_LEVELS = {"TRACE": logging.DEBUG, "DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARN": logging.WARNING,
@@ -77,7 +79,7 @@ class TransferFailed(TransportError):
 
 def _nixl():
     """(nixl_agent, nixl_agent_config, bindings) from whichever NIXL wheel is installed."""
-    for name in _NIXL_MODULES:
+    for name in NIXL_MODULES:
         try:
             api = importlib.import_module(f"{name}._api")
         except ImportError:
@@ -86,7 +88,7 @@ def _nixl():
         level = os.environ.get("NIXL_LOG_LEVEL", "WARN").upper()
         logging.getLogger("nixl").setLevel(_LOG_LEVELS.get(level, logging.WARNING))
         return api.nixl_agent, api.nixl_agent_config, api.nixlBind
-    raise ImportError(f"no NIXL wheel found (tried {', '.join(_NIXL_MODULES)})")
+    raise ImportError(f"NIXL is not installed (tried {', '.join(NIXL_MODULES)}): {NIXL_INSTALL}")
 
 
 def unique_name(prefix: str) -> str:
@@ -228,19 +230,28 @@ class KVTransport:
     """One NIXL agent: regions registered once, peers connected by handshake, READs by block."""
 
     def __init__(self, name: str, listen_port: int | None = None, backends: Sequence[str] = ("UCX",),
-                 identity: Mapping[str, Any] | None = None):
+                 identity: Mapping[str, Any] | None = None, listen_host: str = "127.0.0.1"):
         nixl_agent, nixl_agent_config, self._nixl = _nixl()
-        config = nixl_agent_config(enable_prog_thread=True, enable_listen_thread=True,
-                                   listen_port=0 if listen_port is None else listen_port, backends=list(backends))
+        config = nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False, listen_port=0,
+                                   backends=list(backends))
         try:
             self._agent = nixl_agent(name, config)
-        except RuntimeError as exc:  # e.g. "Failed to bind metadata listener socket"
-            raise TransportError(f"cannot start NIXL agent {name!r} (listen port {listen_port}): {exc}") from None
+        except RuntimeError as exc:
+            raise TransportError(f"cannot start NIXL agent {name!r}: {exc}") from None
         missing = [b for b in backends if b not in self._agent.backends]
         if missing:
             self._agent = None
             raise TransportError(f"NIXL backends not available: {missing}")
         self.name, self.listen_port = name, listen_port
+        self._zmq = zmq.Context()
+        self._side: SideChannelServer | None = None
+        if listen_port is not None:
+            try:
+                self.listen_at(listen_host)
+            except TransportError as exc:
+                self._zmq.destroy(linger=0)
+                self._agent = None
+                raise TransportError(f"cannot start NIXL agent {name!r} (listen port {listen_port}): {exc}") from None
         self.identity = dict(identity or {})
         self._regions: dict[str, _Region] = {}
         self._reg_descs: list[Any] = []
@@ -249,10 +260,23 @@ class KVTransport:
         self._served: dict[str, float] = {}  # readers we accepted → last time we heard from them
         self._connecting: dict[str, "Handshake"] = {}
         self._pending_hellos: dict[str, _PendingHello] = {}
+        self._fetched: dict[str, float] = {}  # readers whose metadata the side channel loaded → when
         self._inbox: list[tuple[str, bytes]] = []
         self._pending: set[Transfer] = set()
         self._digest: str | None = None
         self.closed = False
+
+    def listen_at(self, host: str) -> None:
+        """Serve the side channel on `host`:`listen_port` (moving it there if it listens elsewhere)."""
+        if self._side is not None:
+            if self._side.host == host:
+                return
+            self._side.close()
+            self._side = None
+        try:
+            self._side = SideChannelServer(self._zmq, self._agent, self.name, host, self.listen_port)
+        except SideChannelError as exc:
+            raise TransportError(str(exc)) from None
 
     # -- registration ------------------------------------------------------------------------
     def register(self, regions: Mapping[str, torch.Tensor | Sequence[torch.Tensor]]) -> None:
@@ -488,8 +512,13 @@ class KVTransport:
         return out
 
     def pump(self) -> None:
-        """Collect notifications: handle handshakes, queue the rest for `notifications()`."""
+        """Answer side-channel requests; collect notifications: handle handshakes, queue the rest
+        for `notifications()`."""
         self._check_open()
+        if self._side is not None:
+            now = time.monotonic()
+            for reader in self._side.serve():
+                self._fetched[reader] = now
         for peer, messages in self._agent.get_new_notifs().items():
             for data in messages:
                 if wire.is_handshake(data):
@@ -557,6 +586,13 @@ class KVTransport:
         gone = [p for p, seen in self._served.items() if now - seen > idle_s]
         for p in gone:
             self._drop(p, "idle")
+        # Readers that fetched our metadata but never completed a handshake: forget them too.
+        for p, since in list(self._fetched.items()):
+            if p in self._served or p in self._pending_hellos:
+                self._fetched.pop(p)
+            elif now - since > idle_s:
+                self._fetched.pop(p)
+                self._forget_agent(p)
         return gone
 
     def _drop(self, peer: str, reason: str) -> None:
@@ -610,6 +646,10 @@ class KVTransport:
         self._reg_descs.clear()
         self._regions.clear()
         self._local_dlist = None
+        if self._side is not None:
+            self._side.close()
+            self._side = None
+        self._zmq.destroy(linger=0)
         self._agent = None
         self.closed = True
 
@@ -637,22 +677,39 @@ class Handshake:
         self.error: TransportError | None = None
         self._last_send = 0.0
         self._reply: wire.HelloReply | None = None
-        transport._forget_agent(peer)  # stale metadata under this name would block the fetch
-        self._fetch()
+        transport._forget_agent(peer)  # stale metadata under this name would block loading the new
+        # One request, queued until ZeroMQ connects (it retries in the background until the deadline).
+        self._fetch: MetadataFetch | None = None
+        self._unreachable: str | None = None  # raised by the first poll (never from here)
+        try:
+            self._fetch = MetadataFetch(transport._zmq, host, port, transport.name,
+                                        transport._agent.get_agent_metadata())
+        except (OSError, zmq.ZMQError) as exc:
+            self._unreachable = f"connect to {peer} at {host}:{port}: {exc}"
 
     @classmethod
     def connected(cls, transport: KVTransport, peer: str) -> "Handshake":
         hs = cls.__new__(cls)
-        hs.t, hs.peer, hs.stage, hs.error = transport, peer, "done", None
+        hs.t, hs.peer, hs.stage, hs.error, hs._fetch = transport, peer, "done", None, None
         return hs
 
-    def _fetch(self) -> None:
-        self._last_send = time.monotonic()
-        self.t._agent.fetch_remote_metadata(self.peer, self.host, self.port)
+    def _load_metadata(self, reply) -> None:
+        """The server's metadata came: load it under the name the params gave us, or fail."""
+        if reply.name != self.peer:
+            raise PeerUnavailable(f"{self.host}:{self.port} is KV server {reply.name!r}, not {self.peer!r}")
+        loaded = agent_name(self.t._agent.add_remote_agent(reply.metadata))
+        if loaded != self.peer:
+            self.t._agent.remove_remote_agent(loaded)
+            raise PeerUnavailable(f"{self.host}:{self.port} sent the metadata of {loaded!r}, not {self.peer!r}")
+        self._close_fetch()
+
+    def _close_fetch(self) -> None:
+        if self._fetch is not None:
+            self._fetch.close()
+            self._fetch = None
 
     def _hello(self) -> None:
         self._last_send = time.monotonic()
-        self.t._agent.send_local_metadata(self.host, self.port)
         hello = wire.Hello(wire.HANDSHAKE_VERSION, self.expected, self.nonce)
         self.t._agent.send_notif(self.peer, wire.encode_handshake(hello))
 
@@ -675,11 +732,16 @@ class Handshake:
     def _advance(self) -> None:
         now = time.monotonic()
         if self.stage == "metadata":
-            if self.t._agent.check_remote_metadata(self.peer):
+            if self._unreachable is not None:
+                raise PeerUnavailable(self._unreachable)
+            try:
+                reply = self._fetch.poll()
+            except SideChannelError as exc:
+                raise PeerUnavailable(f"connect to {self.peer}: {exc}") from None
+            if reply is not None:
+                self._load_metadata(reply)
                 self.stage = "hello"
                 self._hello()
-            elif now - self._last_send > 1.0:
-                self._fetch()  # the listener may not have been up yet
         if self.stage == "hello":
             self.t.pump()
             if self._reply is not None:
@@ -720,6 +782,7 @@ class Handshake:
 
     def _fail(self, error: TransportError) -> None:
         self.stage, self.error = "failed", error
+        self._close_fetch()
         self.t._connecting.pop(self.peer, None)
         if self.t._agent is not None:
             self.t._forget_agent(self.peer)

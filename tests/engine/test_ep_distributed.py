@@ -157,10 +157,11 @@ def test_rank_claims_retries_and_disagreement():
     import socket
     from datetime import timedelta
 
-    import torch.distributed as dist
+    from engine.rendezvous_store import ClusterStore, StoreServer
 
     port = pick_free_port("127.0.0.1")
-    head = dist.TCPStore("127.0.0.1", port, 3, True, timedelta(seconds=10), wait_for_workers=False)
+    server = StoreServer("127.0.0.1", port)  # the store rank 0 would host, and a client of it
+    head = ClusterStore("127.0.0.1", port, timedelta(seconds=10))
     for _ in range(2):  # the retry is not "already claimed"
         with pytest.raises(RendezvousError, match=r"ranks \[0, 2\] of world size 3 did not arrive") as info:
             init_group(1, 3, "127.0.0.1", port, "gloo", "claims", timeout_s=0.3)
@@ -174,3 +175,5 @@ def test_rank_claims_retries_and_disagreement():
         init_group(1, 2, "127.0.0.1", port, "gloo", "odd", timeout_s=2)
     assert info.value.missing == []
     assert head.get("ringserve/odd/claims/1").decode() == f"{socket.gethostname()}:{os.getpid()}"
+    head.close()
+    server.stop()
