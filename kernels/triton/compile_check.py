@@ -1,11 +1,17 @@
-"""Compile every fused decode kernel for real GPU targets without a GPU, through its own wrapper.
+"""Compile recorded Triton launches for the real GPU targets without a GPU; registers and spills.
 
-The interpreter accepts programs the compiler rejects (and never allocates registers), so this
-runs each public wrapper on ``meta`` tensors of DeepSeek-V4 shapes with the JIT launch replaced
-by ``triton.compile`` for sm_90 / sm_100a (TTIR → PTX → cubin with Triton's bundled ptxas), then
-reports registers and spills from ``ptxas -v``. Run as ``python -m kernels.triton.compile_check
-[--small] [--arch sm_90a]`` in a process without TRITON_INTERPRET (it refuses otherwise); exits non-zero on the
-first failure. ``--small`` uses the unit tests' sizes (faster; what tests/kernels runs).
+The interpreter accepts programs the compiler rejects (and never allocates registers), so each
+`LaunchRecord` (kernels/triton/launch_record.py) is compiled here with `triton.compile` for
+sm_90a (H100/H200) and sm_100a (B200): TTIR → PTX → cubin with Triton's bundled ptxas. The PTX is
+then assembled once more by the same ptxas with the same flags plus ``-v`` for its registers and
+spill bytes, and the shared memory the kernel asks for is checked against the target's limit (a
+kernel over it compiles but cannot launch).
+
+``python -m kernels.triton.compile_check [--geometry tiny] [--arch sm_90a] [--records FILE]``
+compiles the built-in wrapper cases (kernels/triton/compile_cases.py) of a geometry and/or a JSON
+file of records, one line per distinct specialisation and target, and exits 1 on any failure.
+It must run without TRITON_INTERPRET (the kernels must be JIT functions); perf/triton_compile_report.py
+is the full table.
 """
 from __future__ import annotations
 
@@ -15,150 +21,125 @@ import re
 import subprocess
 import sys
 import tempfile
-from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from kernels.triton.launch_record import LaunchRecord, load_records, recording, unique
 
-# Triton 3.9 emits PTX 9.x, which only the bundled ptxas-blackwell reads (it assembles sm_90a too).
-ARCHS = (("sm_90a", GPUTarget("cuda", 90, 32), "ptxas-blackwell"),
-         ("sm_100a", GPUTarget("cuda", 100, 32), "ptxas-blackwell"))
-_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.uint8: "u8",
-           torch.int32: "i32", torch.int64: "i64"}
-_LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas")
+# (arch, compute capability). Triton names the target sm_90a / sm_100a itself (wgmma, tcgen05).
+ARCHS = {"sm_90a": 90, "sm_100a": 100}
+SHARED_LIMIT = 232448          # bytes of shared memory one block may use on sm_90 and sm_100 (227 KiB)
+_PTXAS_LINE = re.compile(r"Used (\d+) registers")
+_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
 
-def _signature(fn, bound: dict) -> tuple[dict, dict]:
-    sig, consts = {}, {}
-    for p in fn.params:
-        value = bound[p.name]
-        if p.is_constexpr:
-            sig[p.name], consts[p.name] = "constexpr", value
-        elif isinstance(value, torch.Tensor):
-            sig[p.name] = "*" + _DTYPES[value.dtype]
-        elif isinstance(value, bool):
-            sig[p.name] = "i1"
-        elif isinstance(value, int):
-            sig[p.name] = "i64" if abs(value) >= 2**31 else "i32"
-        else:
-            sig[p.name] = "fp32"
-    return sig, consts
+@dataclass(frozen=True)
+class CompileResult:
+    """One record compiled for one target; ``error`` is None when it compiled and fits."""
+
+    record: LaunchRecord
+    arch: str
+    registers: int = -1
+    spill_stores: int = -1
+    spill_loads: int = -1
+    shared: int = -1
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def line(self, labels: str = "") -> str:
+        where = labels or self.record.label
+        if not self.ok:
+            return f"FAIL {where:52s} {self.record.name:26s} {self.arch:8s} {self.error}"
+        return (f"ok   {where:52s} {self.record.name:26s} {self.arch:8s} {self.registers} regs, "
+                f"{self.spill_stores} B spill, {self.shared} B smem")
 
 
-def _ptxas_usage(ptx: str, arch: str, tool: str) -> str:
-    """'N regs, S B spill' from ptxas -v on the kernel's PTX."""
-    binary = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / tool
+def interpreter_on() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def ptxas_usage(ptx: str, capability: int, fp_fusion: bool = True) -> tuple[int, int, int]:
+    """(registers, spill store bytes, spill load bytes) from ptxas -v, run with Triton's own flags
+    (backends/nvidia/compiler.py make_cubin), so the allocation is the one Triton's cubin has."""
+    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "k.ptx"
         src.write_text(ptx)
-        done = subprocess.run([str(binary), "-v", f"--gpu-name={arch}", str(src), "-o", str(Path(tmp) / "k.o")],
-                              capture_output=True, text=True)
+        cmd = [get_ptxas(capability).path, "-lineinfo", *([] if fp_fusion else ["--fmad=false"]), "-v",
+               "--regAllocOptLevel=2", f"--gpu-name={sm_arch_from_capability(capability)}", str(src),
+               "-o", str(Path(tmp) / "k.o")]
+        done = subprocess.run(cmd, capture_output=True, text=True)
     log = done.stdout + done.stderr
-    regs = re.search(r"Used (\d+) registers", log)
-    spills = re.search(r"(\d+) bytes spill stores", log)
-    return f"{regs.group(1) if regs else '?'} regs, {spills.group(1) if spills else '?'} B spill"
+    regs, spills = _PTXAS_LINE.search(log), _SPILLS.search(log)
+    if done.returncode or not regs or not spills:
+        raise RuntimeError(f"ptxas -v failed ({done.returncode}): {log[-2000:]}")
+    return int(regs.group(1)), int(spills.group(1)), int(spills.group(2))
 
 
-@contextmanager
-def compiling(results: list[str], label: str, archs=ARCHS):
-    """Replace JIT launches by compiles for every target; append one line per compiled kernel."""
-    original = triton.runtime.jit.JITFunction.run
+def compile_record(record: LaunchRecord, arch: str) -> CompileResult:
+    """Compile ``record`` for ``arch``; a compile error or an over-limit kernel becomes ``error``."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
 
-    def run(self, *args, grid, warmup, **kwargs):
-        options = {k: kwargs.pop(k) for k in _LAUNCH_OPTIONS if k in kwargs}
-        bound = dict(zip(self.arg_names, args)) | kwargs
-        sig, consts = _signature(self, bound)
-        for arch, target, tool in archs:
-            compiled = triton.compile(ASTSource(self, sig, consts), target=target, options=options)
-            usage = _ptxas_usage(compiled.asm["ptx"], arch, tool)
-            results.append(f"ok  {label:44s} {self.__name__:26s} {arch:8s} {usage}")
-
-    triton.runtime.jit.JITFunction.run = run
+    capability = ARCHS[arch]
     try:
-        yield
-    finally:
-        triton.runtime.jit.JITFunction.run = original
+        fn = record.jit_function()
+        attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name, a in record.attrs.items()
+                 if a == "D"}
+        src = ASTSource(fn, dict(record.signature), dict(record.constexprs), attrs)
+        compiled = triton.compile(src, target=GPUTarget("cuda", capability, 32), options=dict(record.options))
+        fp_fusion = getattr(compiled.metadata, "enable_fp_fusion", True)
+        regs, stores, loads = ptxas_usage(compiled.asm["ptx"], capability, bool(fp_fusion))
+    except Exception as exc:  # noqa: BLE001 - every compiler failure is a reported result
+        message = " ".join(f"{type(exc).__name__}: {exc}".split())
+        return CompileResult(record, arch, error=message[:600])
+    shared = int(compiled.metadata.shared)
+    error = f"needs {shared} B of shared memory, over the {SHARED_LIMIT} B limit" if shared > SHARED_LIMIT else None
+    return CompileResult(record, arch, regs, stores, loads, shared, error)
 
 
-def _meta(*shape, dtype=torch.float32) -> torch.Tensor:
-    return torch.empty(*shape, dtype=dtype, device="meta")
+def record_cases(geometry: str, quick: bool = False) -> list[LaunchRecord]:
+    """The launches the built-in wrapper cases of ``geometry`` make (kernels/triton/compile_cases.py)."""
+    from kernels.triton.compile_cases import cases
 
-
-def _pool(fmt: str, dim: int, blocks: int, per_block: int) -> torch.Tensor:
-    from kernels.formats import get_format
-    from kernels.triton.kv_codec import RAW_DTYPES
-
-    if fmt in RAW_DTYPES:
-        return _meta(blocks, per_block, dim, dtype=RAW_DTYPES[fmt])
-    return _meta(blocks, per_block, get_format(fmt, dim).record_bytes, dtype=torch.uint8)
-
-
-def cases(small: bool):
-    """(label, thunk) per kernel configuration; the thunk calls the public wrapper."""
-    from kernels.triton.compressor_step import compressor_step
-    from kernels.triton.indexer_topk import indexer_topk
-    from kernels.triton.mhc_mix import mhc_mix
-    from kernels.triton.sparse_mla_decode import sparse_mla_decode
-
-    b, h, d, di, hi = (2, 3, 128, 64, 4) if small else (4, 64, 512, 128, 64)
-    w, k, e_blocks, topk = (17, 17, 5, 16) if small else (127, 512, 128, 512)
-    i32 = torch.int32
-    out = []
-    # On a GPU the attention wants bf16 operands at D = 512 (fp32 "ieee" dots spill); small: the tests' mode.
-    precisions = ("ieee",) if small else ("bf16", "ieee")
-    # q = 1 decode, then a verify step of 1 + 3 drafts (its tokens fold into the program's rows:
-    # M = 64); the engine's tables: window shared, CSA top-k per row.
-    for q in (1,) if small else (1, 4):
-        for wf, ef in (("fp8_ds_mla", "fp4_kv"), ("fp8_ds_mla", "fp8_ds_mla"), ("bf16", "bf16")):
-            for prec in precisions[: 1 if wf == "bf16" else 2]:
-                out.append((f"sparse_mla_decode q={q} {wf}/{ef} D={d} {prec}",
-                            lambda q=q, wf=wf, ef=ef, prec=prec: sparse_mla_decode(
-                                _meta(b, q, h, d, dtype=torch.bfloat16), _meta(h), _pool(wf, d, 64, 256), wf,
-                                _meta(b, q, w, dtype=i32), _pool(ef, d, 64, 64), ef, _meta(b, q, k, dtype=i32),
-                                new_kv=_meta(b, q, d, dtype=torch.bfloat16), precision=prec, window_shared=True)))
-    for q in (1,) if small else (1, 4):
-        out.append((f"indexer_topk q={q} fp4_index dI={di} k={topk}", lambda q=q: indexer_topk(
-            _meta(b, q, hi, di), _meta(b, q, hi), _pool("fp4_index", di, 64, 64), "fp4_index",
-            _meta(b, e_blocks, dtype=i32), _meta(b, dtype=i32), _meta(b, q, dtype=i32), 4, topk)))
-    for m, overlap, dim, fmt in ((4, True, d, "fp8_ds_mla"), (4, True, d, "fp4_kv"), (4, True, di, "fp4_index"),
-                                 (8 if small else 128, False, d, "fp8_ds_mla")):
-        width = (2 if overlap else 1) * dim
-        span = (2 if overlap else 1) * m
-        out.append((f"compressor_step m={m} d={dim} {fmt}", lambda m=m, overlap=overlap, dim=dim, fmt=fmt, width=width,
-                    span=span: compressor_step(
-            _meta(b, 1, 2 * width), _meta(64, 256, 2 * width), _meta(b, span, dtype=i32), _pool(fmt, dim, 64, 64),
-            fmt, _meta(b, 1, dtype=i32), _meta(dim), 1e-6, _meta(b, 1, 32), _meta(b, 1, 32), m, overlap,
-            torch.bfloat16)))
-    n, hidden, tokens = (4, 64, 17) if small else (4, 4096, 64)
-    out.append((f"mhc_mix n={n} D={hidden}", lambda: mhc_mix(
-        _meta(tokens, n, hidden, dtype=torch.bfloat16), _meta((2 + n) * n, n * hidden), _meta((2 + n) * n), _meta(3),
-        20, 1e-6, 1e-6, collapse=True)))
-    return out
+    with recording() as rec:
+        for label, thunk in cases(geometry, quick):
+            rec.label = label
+            thunk()
+    return rec.records
 
 
 def main(argv: list[str] | None = None) -> int:
+    from kernels.triton.compile_cases import GEOMETRIES
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--small", action="store_true", help="the unit tests' sizes")
-    parser.add_argument("--arch", choices=[a for a, _, _ in ARCHS], help="one target only (default: all)")
+    parser.add_argument("--geometry", action="append", choices=GEOMETRIES,
+                        help="built-in cases of this geometry (repeatable; default: tiny unless --records)")
+    parser.add_argument("--records", action="append", default=[], help="a JSON file of launch records")
+    parser.add_argument("--arch", choices=list(ARCHS), help="one target only (default: all)")
+    parser.add_argument("--quick", action="store_true", help="one verify step per geometry (the CI test's set)")
+    parser.add_argument("--kernel", help="only kernels whose name contains this")
     args = parser.parse_args(argv)
-    archs = [a for a in ARCHS if args.arch in (None, a[0])]
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if interpreter_on():
         print("unset TRITON_INTERPRET: the kernels must be JIT functions to compile", file=sys.stderr)
         return 2
-    results: list[str] = []
-    for label, thunk in cases(args.small):
-        try:
-            with compiling(results, label, archs):
-                thunk()
-        except Exception as exc:  # a compile error: report which kernel and why
-            print("\n".join(results))
-            print(f"FAIL {label}: {type(exc).__name__}: {exc}", file=sys.stderr)
-            return 1
-    print("\n".join(results))
-    return 0
+    records = [r for path in args.records for r in load_records(path)]
+    for geometry in args.geometry or ([] if args.records else ["tiny"]):
+        records += record_cases(geometry, args.quick)
+    failed = 0
+    for record, labels in unique(records):
+        if args.kernel and args.kernel not in record.name:
+            continue
+        for arch in [a for a in ARCHS if args.arch in (None, a)]:
+            result = compile_record(record, arch)
+            failed += not result.ok
+            print(result.line(labels[0] + (f" (+{len(labels) - 1})" if len(labels) > 1 else "")), flush=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
