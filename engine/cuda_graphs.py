@@ -161,8 +161,12 @@ class StaticDecodeBackend:
         if key is None:
             return None
         shape = self._get(key)
-        shape.batch.fill([self._row(r, shape.batch) for r in rows])
+        self._fill(shape.batch, rows)
         return StaticStep(self, shape, len(rows))
+
+    def _fill(self, batch: DecodeBatch, rows: list[StepSeq]) -> None:
+        """Copy the live rows into a shape's tables (an architecture may add its own fields)."""
+        batch.fill([self._row(r, batch) for r in rows])
 
     # ---- drafting chains (engine/draft_chain.py) ------------------------------------------------
     def chain_depths(self) -> list[int]:
@@ -206,16 +210,20 @@ class StaticDecodeBackend:
     def _get(self, key: Key) -> _Shape:
         shape = self._shapes.get(key)
         if shape is None:
-            kind, size, q, bucket = key
-            batch = DecodeBatch.allocate(self.cache, size, q, bucket // self.cache.layout.block_size,
-                                         self.sliding_blocks)
-            shape = self._shapes[key] = _Shape(batch)
-            if kind == "mtp":
-                cfg = self.model.cfg
-                shape.inputs = torch.zeros(size * q, cfg.hc_mult, cfg.hidden_size, dtype=self.model.dtype,
-                                           device=self.cache.device)
+            shape = self._shapes[key] = self._allocate(key)
             if self.capture:
                 self._capture(shape)
+        return shape
+
+    def _allocate(self, key: Key) -> _Shape:
+        """A shape's static buffers, all rows padding."""
+        kind, size, q, bucket = key
+        batch = DecodeBatch.allocate(self.cache, size, q, bucket // self.cache.layout.block_size, self.sliding_blocks)
+        shape = _Shape(batch)
+        if kind == "mtp":
+            cfg = self.model.cfg
+            shape.inputs = torch.zeros(size * q, cfg.hc_mult, cfg.hidden_size, dtype=self.model.dtype,
+                                       device=self.cache.device)
         return shape
 
     # ---- running -----------------------------------------------------------------------------
@@ -264,9 +272,7 @@ class StaticDecodeBackend:
         """Capture every shape, largest first so smaller graphs reuse the shared pool."""
         if not self.capture:
             return 0
-        keys = [("model", s, q, c) for c in self.buckets for q in self.tokens_per_seq for s in self.batch_sizes]
-        if self.draft_steps:
-            keys += [("mtp", s, q, self.buckets[0]) for q in sorted({1, *self.tokens_per_seq}) for s in self.batch_sizes]
+        keys = self._capture_keys()
         free_before, t0 = torch.cuda.mem_get_info()[0], time.perf_counter()
         for key in sorted(keys, key=lambda k: k[1:], reverse=True):
             self._get(key)
@@ -282,6 +288,13 @@ class StaticDecodeBackend:
                     "steps %s)", len(keys), time.perf_counter() - t0, used / 2**30, self.batch_sizes,
                     self.tokens_per_seq, self.buckets, self.draft_steps)
         return len(keys)
+
+    def _capture_keys(self) -> list[Key]:
+        """Every shape a step may run (captured at start-up)."""
+        keys = [("model", s, q, c) for c in self.buckets for q in self.tokens_per_seq for s in self.batch_sizes]
+        if self.draft_steps:
+            keys += [("mtp", s, q, self.buckets[0]) for q in sorted({1, *self.tokens_per_seq}) for s in self.batch_sizes]
+        return keys
 
     def _capture(self, shape: _Shape) -> None:
         # All-padding buffers: warm-up and capture write only the dummy block.

@@ -11,6 +11,7 @@ a few tensors whose shapes depend only on (B, q, table widths):
     sliding_table          [B, S]  logical block sliding_first[b] + i → id in the `sliding` pools
     sliding_first          [B]
 
+plus any int64 fields an architecture adds (`extra`, e.g. DeepSeek-V4.1's Engram hash ids),
 so the step can be captured once as a CUDA graph and replayed with new contents. Every slot is
 computed from these tensors on the device. Padding rows (B larger than the live batch) have
 start 0 and all-zero tables: they read and write only the dummy block 0, whose contents are
@@ -94,28 +95,36 @@ class DecodeBatch:
     sliding_first: torch.Tensor  # [B] int64
     _device: torch.Tensor
     _mirrors: HostMirrors | None  # CUDA: the pinned mirrors; None on CPU (the buffer is its own mirror)
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)  # an architecture's own int64 fields
     _host_parts: dict[int, dict[str, np.ndarray]] = field(init=False, default_factory=dict)  # per mirror
+
+    def _field(self, name: str) -> torch.Tensor:
+        return self.extra[name] if name in self.extra else getattr(self, name)
 
     def _parts(self, host: torch.Tensor, key: int) -> dict[str, np.ndarray]:
         """numpy views of a mirror, per field."""
         parts = self._host_parts.get(key)
         if parts is None:
-            sizes = [getattr(self, name).numel() for name in _FIELDS]
-            parts = self._host_parts[key] = {name: part.reshape(getattr(self, name).shape) for name, part
-                                             in zip(_FIELDS, np.split(host.numpy(), np.cumsum(sizes)[:-1]))}
+            names = _FIELDS + tuple(self.extra)
+            sizes = [self._field(name).numel() for name in names]
+            parts = self._host_parts[key] = {name: part.reshape(self._field(name).shape) for name, part
+                                             in zip(names, np.split(host.numpy(), np.cumsum(sizes)[:-1]))}
         return parts
 
     @classmethod
     def allocate(cls, cache: KVCache, num_seqs: int, tokens_per_seq: int, full_blocks: int,
-                 sliding_blocks: int) -> "DecodeBatch":
-        """Zeroed buffers (all rows padding) for a batch shape."""
+                 sliding_blocks: int, extra: dict[str, tuple[int, ...]] | None = None) -> "DecodeBatch":
+        """Zeroed buffers (all rows padding) for a batch shape; `extra`: name → shape of more
+        int64 fields, after the standard ones in the same buffer (filled by the same copy)."""
         n = num_seqs * tokens_per_seq
         shapes = ((n,), (n,), (num_seqs,), (num_seqs, full_blocks), (num_seqs, sliding_blocks), (num_seqs,))
+        shapes += tuple((extra or {}).values())
         sizes = [math.prod(shape) for shape in shapes]
         device = torch.zeros(sum(sizes), dtype=torch.long, device=cache.device)
         mirrors = HostMirrors(sum(sizes)) if device.device.type == "cuda" else None
         views = [part.view(shape) for part, shape in zip(device.split(sizes), shapes)]
-        return cls(cache, tokens_per_seq, *views, _device=device, _mirrors=mirrors)
+        return cls(cache, tokens_per_seq, *views[: len(_FIELDS)], _device=device, _mirrors=mirrors,
+                   extra=dict(zip(extra or {}, views[len(_FIELDS):])))
 
     @property
     def num_seqs(self) -> int:
@@ -148,11 +157,13 @@ class DecodeBatch:
         return attention_decode.attend(attn, layer, q, kv, x, q_res, rope, comp_rows, idx_rows, rope_table, self)
 
     # ---- filling (host side, outside any graph) -------------------------------------------------
-    def fill(self, rows: list[tuple[list[int], int, list[int], list[int], int]]) -> None:
+    def fill(self, rows: list[tuple[list[int], int, list[int], list[int], int]],
+             extra: dict[str, np.ndarray] | None = None) -> None:
         """Copy a live batch into the buffers; rows past len(rows) become padding.
 
         rows: per sequence (token ids [q], start, full block ids ≤ F, sliding block ids ≤ S,
-        sliding_first). Written into a host mirror as numpy arrays, then one copy (none on CPU).
+        sliding_first); extra: values of `extra` fields (a leading part of each; the rest is 0).
+        Written into a host mirror as numpy arrays, then one copy (none on CPU).
         """
         q, n = self.tokens_per_seq, len(rows)
         if self._mirrors is None:
@@ -171,6 +182,8 @@ class DecodeBatch:
             full[i, : len(full_ids)] = full_ids
             sliding[i, : len(sliding_ids)] = sliding_ids
         parts["positions"][:] = (start[:, None] + np.arange(q)).reshape(-1)  # padding rows: 0..q-1
+        for name, values in (extra or {}).items():
+            parts[name][: len(values)] = values
         if self._mirrors is not None:
             self._device.copy_(host, non_blocking=True)
             self._mirrors.copied(index)

@@ -136,7 +136,7 @@ class Attention(nn.Module):
         for c in chunks:
             r = c.rows
             rows, base = self._window(c, win[r])
-            kv, idx = rows, window_index(positions[r], base, cfg.sliding_window, c.window_floor)
+            kv, idx = rows, window_index(positions[r], base, cfg.sliding_window, c.window_floor, c.start)
             if self.ratio:
                 ckv, chosen = self._compressed(c, x[r], iq[r] if iq is not None else None, positions[r], freqs)
                 kv = torch.cat([rows, ckv])
@@ -163,13 +163,15 @@ class Attention(nn.Module):
                 self._select(c, x, iq, positions, n)
             else:
                 c.handoff["topk"] = torch.zeros(c.length, 0, dtype=torch.long, device=x.device)
-        chosen = c.handoff["topk"]
+        # The entries the chunk's queries picked, each read once: chosen on the host (one read of
+        # the picks on a GPU, where a mask index and `unique` would each be a read).
+        chosen = c.handoff["topk"].cpu()
         picked = chosen[chosen >= 0]
         needed = torch.unique(picked) if picked.numel() else picked  # ascending entry indices
-        rows = c.seq.entries(self.layer).read_some(needed) if needed.numel() else \
+        rows = c.seq.entries(self.layer).read_some(needed.to(x.device)) if needed.numel() else \
             torch.zeros(0, cfg.head_dim, dtype=torch.bfloat16, device=x.device)
         local = torch.searchsorted(needed, chosen.clamp_min(0))
-        return rows, torch.where(chosen >= 0, local, -1)
+        return rows, torch.where(chosen >= 0, local, -1).to(x.device)
 
     def _latents(self, c: Chunk, x: torch.Tensor) -> tuple[int, torch.Tensor]:
         """(first new group, pre-RoPE latents [G, D] bf16 of the groups the chunk completes)."""
@@ -241,15 +243,16 @@ def candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, topk_blocks: i
     k = min(topk_blocks, blocks.shape[-1])
     top = nx.top_indices(blocks, k, sorted_ref=True)
     keep = torch.zeros_like(blocks, dtype=torch.bool).scatter_(-1, top, blocks.gather(-1, top) > -math.inf)
-    return keep.repeat_interleave(block, dim=-1)[:, :n]
+    return keep[..., None].expand(*keep.shape, block).flatten(-2)[:, :n]  # each block's flag over its positions
 
 
-def window_index(positions: torch.Tensor, base: int, window: int, floor: int = 0) -> torch.Tensor:
+def window_index(positions: torch.Tensor, base: int, window: int, floor: int = 0,
+                 first: int | None = None) -> torch.Tensor:
     """Key rows (of a buffer whose row 0 is position `base`) of positions t − window + 1..t per
     query, −1 for slots before the sequence start or below `floor`, in REF's layout (see the
-    module docstring)."""
+    module docstring). `first`: positions[0] when the caller knows it (no read of the tensor)."""
     t = positions[:, None]
-    if int(positions[0]) == 0:
+    if (int(positions[0]) if first is None else first) == 0:
         pos = (t - window + 1).clamp_min(0) + torch.arange(min(positions.numel(), window), device=t.device)
         return torch.where((pos <= t) & (pos >= floor), pos - base, -1)
     pos = t - window + 1 + torch.arange(window, device=t.device)

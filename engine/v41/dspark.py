@@ -105,12 +105,14 @@ class DSpark:
         last = self.stages[-1]
         x = nx.hc_collapse(stream, pre_mix)  # [block, dim] bf16
         logits = nx.fp32_gemm(nx.rms_norm(x, last.norm.weight, cfg.rms_norm_eps), model.head.weight)  # [block, V]
-        tokens, embeds = [anchor], []
+        # The chain stays on the device: one read of the drafts at the end, not one per draft.
+        tokens, embeds = [torch.tensor(anchor, device=model.device)], []
         for i in range(block):
-            embed = last.markov_head.embed.weight[tokens[-1]]  # [rank] bf16
+            # [rank] bf16; index_select, not a 0-dim tensor index (that reads the index back)
+            embed = last.markov_head.embed.weight.index_select(0, tokens[-1].view(1))[0]
             logits[i] += nx.fp32_gemm(embed[None], last.markov_head.head.weight)[0]
             embeds.append(embed)
-            tokens.append(int(logits[i].argmax()))
+            tokens.append(logits[i].argmax())
         hidden = torch.cat([x, torch.stack(embeds)], dim=-1)  # [block, dim + rank]
         confidence = nx.fp32_gemm(hidden, last.confidence_head.proj.weight)[:, 0]
-        return Draft(tokens[1:], confidence, logits)
+        return Draft(torch.stack(tokens[1:]).cpu().tolist(), confidence, logits)

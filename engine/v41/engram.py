@@ -137,6 +137,14 @@ class EngramHasher:
             cols.append(rolling[..., None].expand(-1, -1, self.n_heads))
         return torch.cat(cols, dim=-1) % self.primes[None] + self.offsets[None]
 
+    def step_ids(self, history: "EngramHistory", start: int, token_ids: torch.Tensor) -> torch.Tensor:
+        """Hash ids [T, n_engram_layers, cols] of host token ids [T] at positions start.. of a
+        sequence, recording their compressed ids in its history."""
+        ids = self.compress(token_ids)
+        out = self.hash_ids(history.look_back(start, self.lookback), ids)
+        history.write(start, ids)
+        return out
+
 
 class EngramHistory:
     """A sequence's compressed ids by position (slot = position mod capacity)."""

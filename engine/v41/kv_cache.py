@@ -171,4 +171,4 @@ class V41KVCache(KVCache):
         seq.engram.write(lo, self.engram.compress(torch.tensor(token_ids[lo:start], dtype=torch.long)))
 
     def layer_pools(self, layer: int):
-        raise NotImplementedError("V4.1 has no static-shape decode path")
+        raise NotImplementedError("V4.1's static decode step reads its pools itself (engine/v41/static_forward.py)")

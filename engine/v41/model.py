@@ -74,16 +74,19 @@ class Block(nn.Module):
         fn, base, scale = (getattr(self, f"hc_{name}_{k}") for k in ("fn", "base", "scale"))
         return per_chunk(lambda s: HyperSite.mixes(s, fn, scale, base, self.cfg), chunks, stream)
 
-    def forward(self, stream: torch.Tensor, pre_mix: torch.Tensor, attend, chunks: list[Chunk]):
+    def forward(self, stream: torch.Tensor, pre_mix: torch.Tensor, attend, chunks: list[Chunk], ffn=None):
         """stream [T, hc, D], pre_mix [T, hc] (the previous FFN site's pre) → (stream, this FFN
-        site's pre). `attend(x [T, D]) -> [T, D]` is the attention of this block."""
+        site's pre). `attend(x [T, D]) -> [T, D]` is the attention of this block; `ffn(x)`, when
+        given, replaces the MoE call (the static decode step's MoE, engine/v41/static_moe.py)."""
         eps = self.cfg.rms_norm_eps
         attn_pre, attn_post, attn_comb = self.site("attn", stream, chunks)
         x = nx.rms_norm(nx.hc_collapse(stream, pre_mix), self.attn_norm.weight, eps)
         stream = nx.hc_expand(attend(x), stream, attn_post, attn_comb)
         ffn_pre, ffn_post, ffn_comb = self.site("ffn", stream, chunks)
         x = nx.rms_norm(nx.hc_collapse(stream, attn_pre), self.ffn_norm.weight, eps)
-        if self.ffn.parallel is not None:  # expert parallel: the whole step through one dispatch
+        if ffn is not None:
+            y = ffn(x)
+        elif self.ffn.parallel is not None:  # expert parallel: the whole step through one dispatch
             y = self.ffn.forward_parallel(x, lambda fn, *t: per_chunk(fn, chunks, *t))
         else:
             y = per_chunk(self.ffn, chunks, x)
@@ -126,14 +129,19 @@ class Engram(nn.Module):
         codes = e.weight.view(torch.uint8)[hash_ids].view(torch.float8_e4m3fn).float()  # [T, cols, head_dim]
         scale = e.scale[hash_ids].view(torch.uint8)
         values = torch.ldexp(torch.ones(scale.shape, device=scale.device), scale.to(torch.int32) - 127)
-        values = torch.where(scale == 255, float("nan"), values).repeat_interleave(e.fmt.block[1], dim=-1)
+        values = torch.where(scale == 255, float("nan"), values)  # [T, cols, head_dim / block]
+        values = values[..., None].expand(*values.shape, e.fmt.block[1]).flatten(-2)  # each scale over its block
         rows = (codes * values).to(torch.bfloat16)
         return rows.pin_memory() if rows.device.type == "cpu" and torch.cuda.is_available() else rows
 
     def forward(self, stream: torch.Tensor, hash_ids: torch.Tensor, chunks: list[Chunk]) -> torch.Tensor:
+        return self.mix(stream, self.lookup(hash_ids), chunks)
+
+    def mix(self, stream: torch.Tensor, rows: torch.Tensor, chunks: list[Chunk]) -> torch.Tensor:
+        """stream [T, hc, D] bf16 and the looked-up table rows [T, cols, head_dim] → the new stream."""
         cfg = self.cfg
         n, d = cfg.hc_mult, cfg.hidden_size
-        kv = self.wkv(self.lookup(hash_ids).flatten(1))  # [T, (hc + 1)·dim] bf16
+        kv = self.wkv(rows.flatten(1))  # [T, (hc + 1)·dim] bf16
         key, value = kv.split([n * d, d], dim=-1)
         key = key.float().unflatten(-1, (n, d))
         weight = self.q_weight.float() * self.k_weight.float()  # [hc, dim]
@@ -208,27 +216,24 @@ class V41Model(nn.Module):
         return self.freqs_compress if ratio else self.freqs_main
 
     # ---- forward ------------------------------------------------------------------------------
-    def forward(self, token_ids: torch.Tensor, chunks: list[Chunk]) -> ForwardOut:
+    def forward(self, token_ids: torch.Tensor, chunks: list[Chunk],
+                host_ids: torch.Tensor | None = None) -> ForwardOut:
+        """token_ids [T] on the device; `host_ids`: the same on the host when the caller has them
+        (Engram hashes them there; otherwise they are read back)."""
         with nx.numerics(self.numerics):
-            return self._forward(token_ids, chunks)
+            return self._forward(token_ids, chunks, token_ids.cpu() if host_ids is None else host_ids)
 
-    def _hash_ids(self, token_ids: torch.Tensor, chunks: list[Chunk]) -> torch.Tensor | None:
+    def _hash_ids(self, host_ids: torch.Tensor, chunks: list[Chunk]) -> torch.Tensor | None:
         """[T, n_engram_layers, cols] hash ids on the host (each Engram layer moves its column to
         its table); records each chunk's compressed ids by position."""
         if self.hasher is None:
             return None
-        parts = []
-        for c in chunks:
-            ids = self.hasher.compress(token_ids[c.rows].cpu())
-            hist = c.seq.engram
-            parts.append(self.hasher.hash_ids(hist.look_back(c.start, self.hasher.lookback), ids))
-            hist.write(c.start, ids)
-        return torch.cat(parts)
+        return torch.cat([self.hasher.step_ids(c.seq.engram, c.start, host_ids[c.rows]) for c in chunks])
 
-    def _forward(self, token_ids: torch.Tensor, chunks: list[Chunk]) -> ForwardOut:
+    def _forward(self, token_ids: torch.Tensor, chunks: list[Chunk], host_ids: torch.Tensor) -> ForwardOut:
         cfg, v = self.cfg, self.cfg.v41
         device = self.device
-        hashes = self._hash_ids(token_ids, chunks)
+        hashes = self._hash_ids(host_ids, chunks)
         positions = torch.cat([torch.arange(c.start, c.end, device=device) for c in chunks])
         stream = self.embed.weight[token_ids][:, None, :].repeat(1, cfg.hc_mult, 1)  # [T, hc, dim]
         pre_mix = identity_pre(token_ids.shape[0], cfg.hc_mult, device)

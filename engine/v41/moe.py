@@ -57,8 +57,9 @@ class MoE(nn.Module):
         weights, experts = self.route(x)
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         slot_of = self.experts.slots_of
-        for e in torch.unique(experts).tolist():  # ascending expert order
-            tokens, choice = torch.where(experts == e)
+        routing = experts.cpu()  # one read of the routing on a GPU (not one per expert)
+        for e in torch.unique(routing).tolist():  # ascending expert order
+            tokens, choice = (t.to(x.device) for t in torch.where(routing == e))
             y[tokens] += self.experts.run(slot_of(e)[0], x[tokens], weights[tokens, choice, None])
         y += self.shared_experts(x)
         return y.to(torch.bfloat16)

@@ -46,9 +46,9 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
 
 
 def _nan_poison(xb: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor):
+    # Always the select (no test of whether any block is poisoned): a host read on a GPU, and a
+    # captured step may not make one. Finite blocks keep their values bit for bit.
     finite = torch.isfinite(xb).all(-1, keepdim=True)  # [..., nb, 1]
-    if bool(finite.all()):
-        return codes, scale
     return torch.where(finite, codes, float("nan")), torch.where(finite, scale, float("nan"))
 
 

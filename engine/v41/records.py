@@ -17,7 +17,6 @@ import torch
 
 from .quant import quantize_fp4_index, quantize_fp8
 
-E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 OWN_FORMATS = ("v41_fp8", "v41_fp4_index")
 
 
@@ -33,7 +32,7 @@ def _exponent_bytes(scale: torch.Tensor) -> torch.Tensor:
     """Power-of-two fp32 scales [..., nb, 1] → ue8m0 bytes [..., nb] (NaN → 0xFF)."""
     _, e = torch.frexp(scale[..., 0])
     byte = (e - 1 + 127).clamp(0, 254).to(torch.uint8)
-    return torch.where(torch.isnan(scale[..., 0]), torch.tensor(255, dtype=torch.uint8, device=scale.device), byte)
+    return byte.masked_fill(torch.isnan(scale[..., 0]), 255)
 
 
 def _scales_of(byte: torch.Tensor) -> torch.Tensor:
@@ -42,10 +41,19 @@ def _scales_of(byte: torch.Tensor) -> torch.Tensor:
 
 
 def _e2m1_codes(values: torch.Tensor) -> torch.Tensor:
-    """Exact e2m1 grid values (NaN read as 0) → 4-bit codes, sign in bit 3."""
+    """Exact e2m1 grid values (NaN read as 0) → 4-bit codes, sign in bit 3. Arithmetic on the
+    grid (0, .5, 1, 1.5 → 0..3; 2, 3, 4 → 4..6; 6 → 7) rather than a lookup table: a table
+    would be host data copied to the device inside a captured step."""
     mag = torch.nan_to_num(values.abs(), nan=0.0)
-    code = torch.bucketize(mag, E2M1_VALUES[:8].to(values.device))  # exact grid hit → its index
-    return (code + 8 * torch.signbit(values).long()).to(torch.uint8)
+    code = torch.where(mag < 2, mag * 2, (mag + 2).clamp(max=7))
+    return (code.to(torch.uint8) + 8 * torch.signbit(values).to(torch.uint8)).to(torch.uint8)
+
+
+def _e2m1_values(nibbles: torch.Tensor) -> torch.Tensor:
+    """4-bit codes (int64) → fp32 grid values, the inverse of `_e2m1_codes` (code 8 is −0)."""
+    m = (nibbles & 7).float()
+    mag = torch.where(m < 4, m * 0.5, torch.where(m == 7, 6.0, m - 2))
+    return torch.where(nibbles >= 8, -mag, mag)
 
 
 def encode(x: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -72,7 +80,7 @@ def decode(records: torch.Tensor, fmt: str, dim: int, dtype: torch.dtype) -> tor
     elif fmt == "v41_fp4_index":
         packed = records[:, :dim // 2].long()
         nibbles = torch.stack([packed & 15, packed >> 4], dim=-1).flatten(1)
-        codes = E2M1_VALUES.to(records.device)[nibbles].view(n, -1, 32)
+        codes = _e2m1_values(nibbles).view(n, -1, 32)
         scale = _scales_of(records[:, dim // 2:])
     else:
         raise KeyError(fmt)

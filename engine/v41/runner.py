@@ -8,6 +8,12 @@ windows up to position e − 1. Drafts are greedy (one-hot), so the shared verif
 (engine/speculative.py) stays lossless for sampled requests too; the next step verifies them as
 it verifies MTP drafts.
 
+A uniform decode/verify step (every sequence its last q = 1 + drafts tokens) that the static
+backend holds a shape for runs in static shapes (engine/v41/static_decode.py: a CUDA graph on
+GPU), and so does its DSpark step, on the device from the sampled results: the step reads the
+host once (sample and drafts together). Other steps, and every step while tracing or under
+expert parallelism, run the eager per-chunk forward, whose drafting reads the sample first.
+
 Under expert parallelism (lockstep) a step with no rows is a dummy one: zero rows through every
 backbone MoE dispatch (engine/v41/expert_parallel.py `idle_forward`). DSpark's stages hold all
 their experts on every rank, so drafting needs no agreement.
@@ -23,6 +29,7 @@ from .attention import Chunk
 from .dspark import DSpark
 from .expert_parallel import idle_forward
 from .model import ForwardOut, V41Model
+from .static_decode import V41StaticBackend, V41StaticStep
 
 DECODER_TAIL_MODES = ("exact", "approx")
 
@@ -38,7 +45,8 @@ class V41Step:
             self.chunks.append(Chunk(r.seq, r.start, begin, n, trace={} if trace else None))
             tokens += r.token_ids
             begin += n
-        self.token_ids = torch.tensor(tokens, dtype=torch.long, device=device)
+        self.host_ids = torch.tensor(tokens, dtype=torch.long)  # Engram hashes these on the host
+        self.token_ids = self.host_ids.to(device)
 
     def run(self, model: V41Model, logit_rows: list[int] | None, inputs=None):
         """(ForwardOut or None when there are no rows, fp32 logits [len(logit_rows), V] or None)."""
@@ -46,7 +54,7 @@ class V41Step:
             if self.lockstep:
                 idle_forward(model)
             return None, None
-        out = model(self.token_ids, self.chunks)
+        out = model(self.token_ids, self.chunks, self.host_ids)
         if not logit_rows:
             return out, None
         rows = torch.tensor(logit_rows, device=model.device)
@@ -56,8 +64,9 @@ class V41Step:
 
 
 class V41ModelRunner(ModelRunner):
-    def __init__(self, model: V41Model, cache, num_speculative_tokens: int = 0, decoder_tail: str = "exact"):
-        super().__init__(model, cache, num_speculative_tokens, None)
+    def __init__(self, model: V41Model, cache, num_speculative_tokens: int = 0, decoder_tail: str = "exact",
+                 static: V41StaticBackend | None = None):
+        super().__init__(model, cache, num_speculative_tokens, static)
         if decoder_tail not in DECODER_TAIL_MODES:
             raise ValueError(f"--decoder-tail must be one of {', '.join(DECODER_TAIL_MODES)}, got {decoder_tail!r}")
         block = model.cfg.v41.dspark_block_size
@@ -67,30 +76,47 @@ class V41ModelRunner(ModelRunner):
         model.tail_rows = model.cfg.sliding_window if decoder_tail == "approx" else None
         self.backends = []
         self.trace = False  # tests: record every index source's selection per chunk
-        self.last_step: V41Step | None = None
-        self._lockstep = False  # the current execute's
+        self.last_step: V41Step | V41StaticStep | None = None
+        self._lockstep = False  # the current launch's
+        self._static_batch = False  # whether the current launch's target forward runs in static shapes
+        self.num_static_steps = 0  # steps whose target forward ran in static shapes
 
-    def execute(self, batch, num_drafts: int | None = None, allow_static: bool = True, lockstep: bool = False):
+    def launch(self, batch, num_drafts: int | None = None, allow_static: bool = True, lockstep: bool = False,
+               ahead=None):
         self._lockstep = lockstep
-        return super().execute(batch, num_drafts, allow_static=allow_static, lockstep=lockstep)
+        self._static_batch = allow_static and not lockstep and self.static_ok(batch)
+        return super().launch(batch, num_drafts, allow_static, lockstep, ahead)
 
-    def _prepare(self, rows: list[StepSeq], kind: str = "model", allow_static: bool = True) -> V41Step:
-        self.last_step = V41Step(rows, self.device, self.trace, self._lockstep)
+    def _prepare(self, rows: list[StepSeq], kind: str = "model", allow_static: bool = True):
+        step = self.static.prepare(rows) if allow_static and self._static_batch else None
+        self.num_static_steps += step is not None
+        self.last_step = step if step is not None else V41Step(rows, self.device, self.trace, self._lockstep)
         return self.last_step
 
     def static_ok(self, batch) -> bool:
-        return False
+        """A uniform decode/verify batch past position 0 that a static shape holds; never while
+        tracing (the traces are the eager forward's) or under expert parallelism (its dispatch)."""
+        if self.static is None or self.trace or any(b.ffn.parallel is not None for b in self.model.layers):
+            return False
+        return super().static_ok(batch) and all(s.start > 0 for s in batch.scheduled)
 
     def _run_mtp(self, batch, out: ForwardOut | None, pending, sample, num_drafts: int, lockstep: bool, flow=None):
         """DSpark: observe this step's rows, then draft `num_drafts` tokens per sampling request
-        after its last accepted token. Returns ModelRunner's (drafts, host sample read early):
-        drafting needs the accepted tokens on the host (so no async scheduling: `flow` is None)."""
+        after its last accepted token. Returns ModelRunner's (drafts, host sample read early).
+        With a static backend the drafting runs on the device (its 'dspark' program), after a
+        static step and after an eager one alike; without one it needs the accepted tokens on
+        the host, read early (so no async scheduling: `flow` is None)."""
         assert flow is None, "V4.1 steps are not scheduled ahead"
+        if isinstance(self.last_step, V41StaticStep):  # it observes, then drafts
+            return self._drafts(self.last_step, out, pending, sample, num_drafts), None
         if out is None:
             return None, None
         self.dspark.observe(out.main_hidden, out.chunks)
         if not num_drafts or sample is None:
             return None, None
+        step = self._draft_step(out, pending)
+        if step is not None:
+            return self._drafts(*step, pending, sample, num_drafts), None
         host = self._read(sample, None)
         live, blocks = [], []
         for i, p in enumerate(pending):
@@ -105,3 +131,35 @@ class V41ModelRunner(ModelRunner):
             return None, host
         tokens = torch.tensor(blocks, dtype=torch.long, device=self.device)  # [R, num_drafts]
         return _Drafts(live, tokens, None), host  # greedy drafts: one-hot (no probabilities)
+
+    def _draft_step(self, out: ForwardOut, pending) -> tuple[V41StaticStep, torch.Tensor] | None:
+        """After an eager step: a static q = 1 step at each sampling request's last position
+        before its drafts (the token there is known) and the main hidden rows of those positions,
+        whose 'dspark' program drafts from the device results; None without a shape for them.
+        Its observation rewrites the window rows the eager observation wrote there (same rows,
+        row-independent ops: same bits), and its fill the Engram history there (same token)."""
+        if self.static is None or not pending:
+            return None
+        chunk_of = {id(c.seq): c for c in out.chunks}
+        rows, hidden = [], []
+        for p in pending:
+            s = p.sched
+            position = s.end - s.num_draft - 1  # start + accepted is the drafts' anchor position
+            chunk = chunk_of[id(s.request.seq)]
+            rows.append(StepSeq(s.request.seq, position, [s.request.token_ids[position]]))
+            hidden.append(chunk.begin + position - chunk.start)
+        step = self.static.prepare(rows)
+        if step is None:
+            return None
+        return step, out.main_hidden[torch.tensor(hidden, device=self.device)]
+
+    def _drafts(self, step: V41StaticStep, main_hidden: torch.Tensor, pending, sample,
+                num_drafts: int) -> _Drafts | None:
+        """Run a static step's DSpark program: every pending request drafts after the token its
+        verification emitted (the anchor), at its position moved by its acceptance count."""
+        accepted = sample.num_accepted  # [n]
+        anchor = sample.emitted.gather(1, accepted[:, None])[:, 0]
+        drafts = step.draft(main_hidden, accepted, anchor)  # [n, block]
+        if not num_drafts:
+            return None
+        return _Drafts(list(range(len(pending))), drafts[:, :num_drafts].contiguous(), None)

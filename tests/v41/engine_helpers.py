@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -27,12 +27,26 @@ def load(model_dir, row_independent: bool = False, dspark: bool = True):
     return model
 
 
+def use_static_decode(engine: Engine, sizes: tuple[int, ...] | None = None) -> None:
+    """Give a V4.1 engine its static decode path as `--static-decode` would (the backend on the
+    runner; shapes captured on CUDA). `sizes`: only these batch sizes (padding rows on a CPU)."""
+    from engine.v41.static_decode import build_static_backend
+
+    config = replace(engine.config, static_decode=True)
+    backend = build_static_backend(engine.model, engine.cache, config, engine.max_model_len, engine.runner.k,
+                                   sizes=sizes)
+    engine.static = engine.runner.static = backend
+
+
 def run_engine(model, prompts: list[list[int]], max_tokens: int, trace_prompt: int | None = None,
-               **config) -> EngineRun:
-    """Greedy generation of every prompt at once (ignore_eos), chosen-token logprobs kept."""
+               static: bool = False, **config) -> EngineRun:
+    """Greedy generation of every prompt at once (ignore_eos), chosen-token logprobs kept.
+    `static`: decode/verify steps in static shapes (engine/v41/static_decode.py)."""
     defaults = dict(max_num_seqs=4, max_num_batched_tokens=512, num_kv_blocks=96, block_size=16,
                     speculative_tokens=0, adaptive_speculation=False, max_model_len=512)
     engine = Engine(model, EngineConfig(**{**defaults, **config}))
+    if static:
+        use_static_decode(engine)
     engine.runner.trace = trace_prompt is not None
     requests = [engine.add_request(i, p, SamplingParams(max_tokens=max_tokens, ignore_eos=True, logprobs=0))
                 for i, p in enumerate(prompts)]
