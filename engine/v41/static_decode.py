@@ -16,8 +16,9 @@ tables and touch only the dummy block.
 
 CPU: the eager path stays the default there (`build_static_backend`). Under the reference
 numerics it reproduces REF's CPU roundings per chunk (torch.topk's tie choices at the row's own
-width, attention sums over the row's own key count), which fixed widths cannot; `--static-decode`
-selects this path on a CPU explicitly (the tests do, against the golden data and the eager path).
+width, attention sums over the row's own key count), which fixed widths cannot;
+EngineConfig(static_decode=True) selects this path on a CPU explicitly (the tests do, against the
+golden data and the eager path).
 """
 
 from __future__ import annotations
@@ -152,7 +153,7 @@ class V41StaticBackend(StaticDecodeBackend):
 def build_static_backend(model, cache, config, max_model_len: int, num_drafts: int,
                          sizes: tuple[int, ...] | None = None) -> V41StaticBackend | None:
     """The V4.1 engine's static decode path: on by default on CUDA (captured at start-up unless
-    --enforce-eager); on a CPU only when --static-decode asks (see the module docstring). Shapes
+    --enforce-eager); on a CPU only when EngineConfig.static_decode asks (see the module docstring). Shapes
     as V4's: --cuda-graph-sizes on CUDA (every size up to max_num_seqs elsewhere, unless `sizes`
     says), q = 1 and 1 + drafts (every depth under adaptive speculation)."""
     cuda = model.device.type == "cuda"

@@ -28,8 +28,9 @@ def load(model_dir, row_independent: bool = False, dspark: bool = True):
 
 
 def use_static_decode(engine: Engine, sizes: tuple[int, ...] | None = None) -> None:
-    """Give a V4.1 engine its static decode path as `--static-decode` would (the backend on the
-    runner; shapes captured on CUDA). `sizes`: only these batch sizes (padding rows on a CPU)."""
+    """Give a V4.1 engine its static decode path as EngineConfig(static_decode=True) would (the
+    backend on the runner; shapes captured on CUDA). `sizes`: only these batch sizes (padding rows
+    on a CPU)."""
     from engine.v41.static_decode import build_static_backend
 
     config = replace(engine.config, static_decode=True)

@@ -9,8 +9,9 @@ same static programs a GPU captures, against two independent references:
     numerics: tokens, logprobs and every piece of sequence state (window rows of every layer
     and DSpark stage, compressor tails, compressed entries and index keys, Engram history)
     bit-identical after every step, with batches padded to a larger shape, contexts crossing a
-    bucket, a sequence shorter than the window, and verifications forced to accept two drafts
-    of four (rollback). The fast (kernel) numerics' grouped MoE too.
+    bucket, a sequence shorter than the window, verifications forced to accept two drafts of
+    four (rollback), bf16 and FP8/FP4-record KV pools. The fast (kernel) numerics' grouped MoE
+    too.
 
 Under reference numerics the static step and the eager one are not bit-identical: torch.topk's
 choice among tied index scores depends on the row's width (eager: the sequence's own entries,
@@ -109,13 +110,14 @@ def sequence_state(engine: Engine, request) -> dict[str, torch.Tensor]:
     return state
 
 
-def _twin_engines(model, prompts, k: int, static_sizes=None, override=None, max_tokens: int = MAX_TOKENS):
+def _twin_engines(model, prompts, k: int, static_sizes=None, override=None, max_tokens: int = MAX_TOKENS,
+                  kv_dtype: str = "auto"):
     """An eager and a static engine (in that order) with the same requests."""
     engines = []
     for static in (False, True):
         engine = Engine(model, EngineConfig(max_num_seqs=4, max_num_batched_tokens=512, num_kv_blocks=96,
                                             block_size=16, speculative_tokens=k, adaptive_speculation=False,
-                                            max_model_len=512))
+                                            max_model_len=512, kv_dtype=kv_dtype))
         if static:
             use_static_decode(engine, static_sizes)
         engine.runner.draft_override = override
@@ -138,11 +140,12 @@ def _step_in_lockstep(eager: Engine, static: Engine) -> None:
     assert not static.has_work
 
 
-@pytest.mark.parametrize("k", [0, 4], ids=["decode", "dspark"])
-def test_static_equals_eager_bit_for_bit(tiny, prompts, k):
+@pytest.mark.parametrize("k,kv_dtype", [(0, "auto"), (4, "fp8")], ids=["decode-bf16-kv", "dspark-fp8-kv"])
+def test_static_equals_eager_bit_for_bit(tiny, prompts, k, kv_dtype):
     """Three sequences in a shape of four (a padding row); the 60-token prompt crosses the
     64-position context bucket; the 5-token one is shorter than the window (DSpark reads a
-    partial window). With DSpark every verification is forced to accept two drafts of four."""
+    partial window). With DSpark every verification is forced to accept two drafts of four; its
+    KV pools hold V4.1's FP8 / FP4 records."""
     model = load(tiny, row_independent=True)
     assert k in (0, model.cfg.v41.dspark_block_size)
     truth = run_engine(model, prompts, MAX_TOKENS).tokens  # greedy: what every verification must reproduce
@@ -152,7 +155,8 @@ def test_static_equals_eager_bit_for_bit(tiny, prompts, k):
         right = truth[req.request_id][done:done + 2]
         return right + [(t + 1) % model.cfg.vocab_size for t in truth[req.request_id][done + 2:done + k]]
 
-    eager, static = _twin_engines(model, prompts, k, static_sizes=(4,), override=two_right if k else None)
+    eager, static = _twin_engines(model, prompts, k, static_sizes=(4,), override=two_right if k else None,
+                                  kv_dtype=kv_dtype)
     _step_in_lockstep(eager, static)
     # the prefill runs eagerly, and so does a verification whose requests draft different counts
     # (the scheduler cuts drafts at max_tokens)
