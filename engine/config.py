@@ -426,7 +426,8 @@ class EngineConfig:
     block_size: int = 256
     cuda_graph_sizes: tuple[int, ...] = ()
     # Static-shape decode/verify steps (captured as CUDA graphs on GPU, fused numba kernels on
-    # CPU). None = the default: on unless enforce_eager (V4; V4.1 has no static path yet).
+    # CPU). None = the default: on unless enforce_eager — V4.1 on CUDA only (on a CPU its eager
+    # path reproduces the reference's tie choices; engine/v41/static_decode.py).
     static_decode: bool | None = None
     enforce_eager: bool = False  # never capture CUDA graphs (a static path, if on, runs uncaptured)
     # Verify only as many of the k drafts as pay for themselves (engine/spec_control.py).

@@ -170,10 +170,10 @@ def fp4_grouped_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, o
 def dense_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """MoE over dense experts: rows [offsets[e-1], offsets[e]) of x [S, K] times weight[e]^T,
     weight [E, N, K] in x's dtype (any strides), offsets int32 [E] cumulative ends (as
-    F.grouped_mm's offs) -> [S, N] in x's dtype. Rows at or past offsets[-1] are zero, except
-    on torch's CUTLASS path, which leaves them unwritten: zeroing them there would cost three
-    launches per call in every captured step, and no caller reads them (the MoE combine gathers
-    expert rows only; the padded all-to-all ignores its padding rows).
+    F.grouped_mm's offs) -> [S, N] in x's dtype. Rows at or past offsets[-1] are unspecified
+    (the Triton kernel writes zeros; torch leaves them unwritten): no caller reads them (the MoE
+    combine gathers expert rows only; the padded all-to-all ignores its padding rows), and
+    zeroing them would cost launches in every captured step.
 
     CUDA: torch's CUTLASS grouped GEMM where it has one (bf16 on sm90/sm100, 16-byte aligned
     operands), else Triton (kernels/triton/dense_grouped_mm.py): torch's fallback for the rest
@@ -186,11 +186,7 @@ def dense_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tenso
         return triton_grouped.dense_grouped_mm(x, weight, offsets)
     check_dense_grouped_mm(x, weight, offsets)
     out = torch.nn.functional.grouped_mm(x, weight.transpose(1, 2), offs=offsets)  # [S, N]
-    if not offsets.numel():
-        return out.zero_()
-    if not x.is_cuda:  # torch leaves the rows past the last expert unwritten
-        out[int(offsets[-1]):] = 0
-    return out
+    return out.zero_() if not offsets.numel() else out
 
 
 @functools.cache

@@ -55,7 +55,7 @@ _DATA_SHAPED = {aten.nonzero.default, aten.masked_select.default, aten.unique_di
 # indexing ops that take a boolean mask as an index (on CUDA: a nonzero, so a host read)
 _MASKABLE = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
 # ops that return host values computed from device data
-_SCALAR_READS = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.default}
+_SCALAR_READS = {aten._local_scalar_dense.default, aten.item.default, aten.is_nonzero.default, aten.equal.default}
 _PINNED: dict[int, weakref.ref] = {}  # id → host tensors allocated as pinned (id-keyed: tensors compare by value)
 
 
@@ -154,7 +154,7 @@ class FakeCudaMode(TorchDispatchMode):
                 with torch.no_grad():
                     dst.fill_(self.fill)
                 return dst
-            if _is_fake(dst) and not _is_fake(src) and src.dim() > 0:
+            if _is_fake(dst) and not _is_fake(src):  # a host copy (0-dim too: a synchronous copy on CUDA)
                 self._write(func, src)
             return NotImplemented
         src = args[0]
@@ -163,7 +163,7 @@ class FakeCudaMode(TorchDispatchMode):
             self._read(func, [src], src.numel() * src.element_size())
             dtype = kwargs.get("dtype") or src.dtype
             return torch.full(src.shape, self.fill, dtype=dtype)
-        if not _is_fake(src) and to_cuda and src.dim() > 0:
+        if not _is_fake(src) and to_cuda:
             self._write(func, src)
         return NotImplemented
 

@@ -32,7 +32,6 @@ from engine.v41.numerics import Numerics
 from engine.v41.static_decode import V41StaticBackend
 from engine.weights import load_model
 from ipc.messages import SamplingParams
-from tests.v41.engine_helpers import use_static_decode
 
 FOUR_LAYERS = dict(num_hidden_layers=4, compress_ratios=[0, 2, 1, 1, 0], kv_source_layer_ids=[1, 2],
                    index_source_layer_ids=[1, 2, 3], candidate_source_layer_id=2, engram_layer_ids=[0, 1],
@@ -54,7 +53,7 @@ def test_engine_steps_replay_one_read_each(fake_device, checkpoint):
     engine = Engine(model, EngineConfig(max_num_seqs=2, max_num_batched_tokens=128, num_kv_blocks=32, block_size=16,
                                         kv_dtype="fp8", speculative_tokens=k, adaptive_speculation=False,
                                         max_model_len=64, cuda_graph_sizes=(2,)))
-    use_static_decode(engine)
+    assert engine.static is not None  # on CUDA by default, captured at start-up
     assert fake_device.captures == 4  # target and DSpark, q = 1 and 1 + k
     engine.add_request(0, list(range(5, 21)), SamplingParams(max_tokens=40, ignore_eos=True))
     engine.add_request(1, list(range(7, 30)), SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.8,

@@ -21,13 +21,19 @@ def _capture(fn):
     return graph
 
 
+@pytest.mark.parametrize("inference_mode", [False, True], ids=["grad-mode", "inference-mode"])
 @pytest.mark.parametrize("read", ["item", "tolist", "bool", "cpu", "int"])
-def test_a_host_read_inside_capture_is_a_fault(fake_device, read):
-    x = torch.ones(4, device="cuda")
-    op = {"item": lambda: x.sum().item(), "tolist": lambda: x.tolist(), "bool": lambda: bool(x.sum() > 0),
-          "cpu": lambda: x.cpu(), "int": lambda: int(x[0])}[read]
-    with pytest.raises(FakeCudaFault, match="host-read-in-capture"):
-        _capture(op)
+def test_a_host_read_inside_capture_is_a_fault(fake_device, read, inference_mode):
+    """(inference mode dispatches .item() as aten.item, not _local_scalar_dense)"""
+    with torch.inference_mode(inference_mode):
+        x = torch.ones(4, device="cuda")
+        op = {"item": lambda: x.sum().item(), "tolist": lambda: x.tolist(), "bool": lambda: bool(x.sum() > 0),
+              "cpu": lambda: x.cpu(), "int": lambda: int(x[0])}[read]
+        with pytest.raises(FakeCudaFault, match="host-read-in-capture"):
+            _capture(op)
+        mark = fake_device.mark()
+        op()  # outside capture: counted
+        assert fake_device.since(mark, "d2h")
 
 
 def test_reads_outside_capture_are_counted_not_faults(fake_device):
@@ -91,6 +97,8 @@ def test_host_data_copied_into_a_captured_region_is_a_fault(fake_device):
         _capture(lambda: buf.copy_(host))
     with pytest.raises(FakeCudaFault, match="host-data-in-capture"):
         _capture(lambda: torch.tensor([1, 2, 3], device="cuda"))
+    with pytest.raises(FakeCudaFault, match="host-data-in-capture"):
+        _capture(lambda: torch.tensor(5, device="cuda"))  # 0-dim: still a copy from the host
     buf.copy_(host)  # outside capture: one host-to-device copy
     assert fake_device.transfers[-1].kind == "h2d"
 

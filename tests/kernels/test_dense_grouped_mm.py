@@ -145,14 +145,13 @@ def test_kernel_propagates_nan_and_inf_only_to_their_rows():
 @pytest.mark.parametrize("case", list(OFFSET_CASES))
 def test_entry_point_on_cpu_is_torch_grouped_mm(case):
     """CPU: F.grouped_mm bit for bit on the experts' rows (what the engine's CPU path computed
-    before), and zero rows past ends[-1] where torch leaves them unwritten."""
+    before); rows past ends[-1] are unspecified there, as torch leaves them."""
     s, ends = OFFSET_CASES[case]
     x, w, offs = inputs(s, ends, dtype=torch.float32)
     w = w.transpose(1, 2).contiguous().transpose(1, 2)                  # GroupedWeight.relayout on CPU
     out = kernels.dense_grouped_mm(x, w, offs)
     end = ends[-1]
     assert torch.equal(out[:end], F.grouped_mm(x, w.transpose(1, 2), offs=offs)[:end])
-    assert torch.equal(out[end:], torch.zeros_like(out[end:]))
 
 
 def test_entry_point_runs_triton_inside_triton_on_cpu(monkeypatch):
@@ -196,7 +195,6 @@ def test_grouped_weight_dense_branch_uses_the_entry_point():
     gw.relayout()
     out = gw.grouped_mm(x, offs)
     assert torch.equal(out[:26], F.grouped_mm(x, gw.weight.transpose(1, 2), offs=offs)[:26])
-    assert torch.equal(out[26:], torch.zeros(4, 12))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CuPy not needed)")
