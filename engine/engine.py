@@ -76,10 +76,12 @@ class Engine:
         self.static = None
         static = config.static_decode
         if static is None:
-            static = static_decode_default(model.device) and not config.enforce_eager and not v41
-        if static and v41:
-            raise ValueError("DeepSeek-V4.1 has no static-shape decode path (--static-decode)")
-        if static:
+            static = static_decode_default(model.device) and not config.enforce_eager
+        if v41:  # its own static step (engine/v41/static_decode.py); on a CPU only when asked
+            from .v41.static_decode import build_static_backend
+
+            self.static = build_static_backend(model, self.cache, config, max_len, k)
+        elif static:
             depths = tuple(range(1, k + 2)) if config.adaptive_speculation else (1, 1 + k)
             sizes = static_batch_sizes(config, model.device)
             self.static = StaticDecodeBackend(model, self.cache, sizes, depths, max_len,
@@ -89,7 +91,7 @@ class Engine:
         if v41:
             from .v41.runner import V41ModelRunner
 
-            self.runner = V41ModelRunner(model, self.cache, k, config.decoder_tail)
+            self.runner = V41ModelRunner(model, self.cache, k, config.decoder_tail, self.static)
         else:
             self.runner = ModelRunner(model, self.cache, k, self.static)
         self.spec_control = SpeculationControl(k) if k and config.adaptive_speculation else None
@@ -97,6 +99,8 @@ class Engine:
         self.connector = None  # [kv-connector] PD disaggregation: engine.kv_connector.attach_connector sets it
         self.async_scheduling = _async_scheduling(config, k, v41, self.static is not None)
         self._in_flight: tuple[LaunchedStep, float] | None = None  # async scheduling: step t, its start
+        self.grammars = None  # structured outputs: GrammarCache, made at the first request with a grammar
+        self.on_grammar_ready = None  # called (from the compile thread) when a grammar compile ends
 
     @property
     def max_model_len(self) -> int:
@@ -115,8 +119,58 @@ class Engine:
                 raise RequestError("kv_transfer_params need a server started with --kv-transfer")
             return self.connector.add_request(request_id, list(prompt_token_ids), params, kv_transfer_params)
         req = Request(request_id, list(prompt_token_ids), params)
+        if params.structured is not None:
+            req.grammar = self.grammar_for(params)
         self.scheduler.add(req)
         return req
+
+    def grammar_for(self, params: SamplingParams):
+        """The request's grammar state (engine/structured/); its compile starts now, off the step
+        loop. RequestError when this engine cannot do structured outputs."""
+        from .structured import RequestGrammar
+
+        spec = params.structured
+        if self.grammars is None:
+            self.grammars = self._grammar_cache()
+        if spec.start_after is not None and not 0 <= spec.start_after < self.model.cfg.vocab_size:
+            raise RequestError(f"structured output start token {spec.start_after} is outside the vocabulary")
+        return RequestGrammar(self.grammars.get(spec), spec.start_after)
+
+    def _grammar_cache(self):
+        import importlib.util
+
+        from .structured import GrammarCache
+
+        source = getattr(self.model, "source_dir", None)
+        if source is None or not (source / "tokenizer.json").exists():
+            raise RequestError("structured outputs need the model's tokenizer.json (none next to the checkpoint)")
+        if importlib.util.find_spec("xgrammar") is None:
+            raise RequestError("structured outputs need xgrammar (pip install xgrammar)")
+        cfg = self.model.cfg
+        return GrammarCache(source, cfg.vocab_size, list(cfg.eos_token_ids),
+                            on_ready=lambda: self.on_grammar_ready and self.on_grammar_ready())
+
+    def settle_grammars(self) -> list[Finished]:
+        """Start the matchers of waiting requests whose grammar compile ended; those whose
+        compile failed (or whose output so far breaks it) finish with a 400 error."""
+        failed = []
+        for req in [r for r in self.scheduler.waiting if r.grammar is not None and r.grammar.matcher is None]:
+            if not req.grammar.ready:
+                continue
+            error = req.grammar.error()
+            if error is None:
+                try:
+                    req.grammar.start(req.token_ids[req.num_prompt_tokens:])
+                except ValueError as exc:
+                    error = str(exc)
+            if error is not None:
+                failed.append(self.scheduler.fail_waiting(req, error))
+        return failed
+
+    @property
+    def waits_on_grammars_only(self) -> bool:
+        """Every request waits for its grammar's compile: no step to run until one ends."""
+        return self._in_flight is None and self.scheduler.waits_on_grammars_only
 
     def abort(self, request_id: int) -> Finished | None:
         done = self.scheduler.abort(request_id)
@@ -134,6 +188,9 @@ class Engine:
             return self._step_ahead()
         t0 = time.perf_counter()
         loaded = self.kv_tick()  # [kv-connector]
+        failed = self.settle_grammars() if self.grammars is not None else []
+        if failed:
+            loaded = StepOutputs(loaded.deltas if loaded else [], (loaded.finished if loaded else []) + failed)
         batch = self.scheduler.schedule()
         if not batch:
             return loaded or StepOutputs([], [])
@@ -147,6 +204,7 @@ class Engine:
         overlap the device's next step; on a CPU the launch runs the step, so nothing overlaps,
         but the tokens are the same as without it. Returns step t's outputs."""
         t0 = time.perf_counter()
+        failed = self.settle_grammars() if self.grammars is not None else []
         prev, self._in_flight = self._in_flight, None
         ahead = prev[0] if prev is not None else None
         if ahead is None:
@@ -154,13 +212,17 @@ class Engine:
         else:
             drafts = _drafts_of(ahead) if self.runner.k else None
             batch = self.scheduler.schedule(ahead=ahead.batch, ahead_drafts=drafts)
-            if batch and not self.runner.runs_ahead(batch):
-                batch = Batch()  # e.g. no static shape holds it: step t is completed first
+            if batch and (not self.runner.runs_ahead(batch)
+                          or any(s.request.grammar is not None for s in ahead.batch.scheduled)):
+                # e.g. no static shape holds it, or a grammar's next bitmask needs step t's tokens
+                # on the host: step t is completed first (grammars then step every time, in sync)
+                batch = Batch()
         if batch:
             self._in_flight = (self.runner.launch(batch, self.draft_wish(batch), ahead=ahead), t0)
         if prev is None:
-            return StepOutputs([], [])
-        return self._complete(ahead.batch, self.runner.finish(ahead), prev[1])
+            return StepOutputs([], failed)
+        out = self._complete(ahead.batch, self.runner.finish(ahead), prev[1])
+        return StepOutputs(out.deltas, out.finished + failed) if failed else out
 
     def kv_tick(self) -> StepOutputs | None:
         """[kv-connector] Advance KV transfers: the first tokens and failures of remote-prefilled

@@ -65,6 +65,9 @@ class Request:
     # sent with the first delta.
     prompt_scores: list[tuple[float, int, list[tuple[int, float]]]] = field(default_factory=list)
     prompt_scores_sent: bool = False
+    # Structured outputs (engine/structured/): the grammar its output follows; it is scheduled
+    # once the grammar is compiled and its matcher started.
+    grammar: object | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -141,7 +141,9 @@ class Scheduler:
             budget -= n
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not batch.preempted:
-            req = self.waiting[0]
+            req = self._next_waiting()
+            if req is None:
+                break  # only requests whose grammar is still compiling wait
             if req.seq is None:
                 req.seq = self.cache.new_sequence()
             hit = self._adopt_prefix(req)
@@ -153,7 +155,7 @@ class Scheduler:
                 break  # wait for blocks to come back
             if self.prefix is not None:
                 self.prefix.admitted(req, hit)
-            self.waiting.popleft()
+            self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             if req.scheduled_time is None:
                 req.scheduled_time = time.monotonic()
@@ -161,6 +163,25 @@ class Scheduler:
             batch.scheduled.append(self._scheduled(req, n))
             budget -= n
         return batch
+
+    def _next_waiting(self) -> Request | None:
+        """The oldest waiting request that can start: one whose grammar (structured outputs) is
+        compiled and whose matcher is started; the others wait without holding the queue up."""
+        for req in self.waiting:
+            if req.grammar is None or req.grammar.matcher is not None:
+                return req
+        return None
+
+    @property
+    def waits_on_grammars_only(self) -> bool:
+        """Nothing runs and every waiting request waits for its grammar's compile."""
+        return not self.running and bool(self.waiting) and self._next_waiting() is None
+
+    def fail_waiting(self, req: Request, error: str, error_code: int = 400) -> Finished:
+        """Finish a waiting request that cannot run (its grammar did not compile)."""
+        self.waiting.remove(req)
+        req.error = error
+        return self._finish(req, FinishReason.ERROR, error_code)
 
     def _adopt_prefix(self, req: Request) -> Hit | None:
         """Start a request that holds no blocks on its longest usable cached prefix."""
@@ -243,18 +264,24 @@ class Scheduler:
                                    _prompt_logprobs(req))
             deltas.append(delta)
             if reason is not None:
-                finished.append(self._finish_running(req, reason))
+                finished.append(self._finish_running(req, reason, error_code=500 if req.error else 0))
             else:
                 req.draft_token_ids = list(out.drafts)
                 req.draft_probs = out.draft_probs
         return deltas, finished
 
     def _append(self, req: Request, accepted: list[int]) -> tuple[int, FinishReason | None]:
-        """Append accepted tokens up to the first that ends the request: (tokens taken, reason)."""
+        """Append accepted tokens up to the first that ends the request: (tokens taken, reason).
+        A grammar that reaches its end ends the request (stop), ignore_eos or not."""
         p = req.params
+        grammar_end = req.grammar.advance(accepted) if req.grammar is not None else None
+        if grammar_end is not None and not req.grammar.terminated:  # masked sampling cannot produce it
+            req.error = "the output broke its grammar (an engine bug: its tokens are masked)"
+            logger.error("request %s: %s", req.request_id, req.error)
+            return 0, FinishReason.ERROR
         for j, token in enumerate(accepted):
             req.token_ids.append(token)
-            if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids or j == grammar_end:
                 return j + 1, FinishReason.STOP
             if req.num_output_tokens >= p.max_tokens:
                 return j + 1, FinishReason.LENGTH
@@ -285,10 +312,13 @@ def _can_run_ahead(req: Request, prev: ScheduledRequest, speculation: bool) -> b
     """Whether `req` may be scheduled while its step `prev` is in flight. Not when that step may
     sample its last token (max_tokens: with d drafts it samples up to d + 1), nor while prompt
     scores are still to send (they need the host). Penalties need nothing from the host: their
-    counts are kept on the device (engine/output_counts.py). Without speculation
+    counts are kept on the device (engine/output_counts.py); grammars do (their bitmask follows
+    the tokens on the host). Without speculation
     (`speculation` False) a request that carries drafts is not run ahead either."""
     p = req.params
     if p.prompt_logprobs is not None and not req.prompt_scores_sent:
+        return False
+    if req.grammar is not None:  # its next bitmask needs the step in flight's tokens on the host
         return False
     if not speculation and (prev.num_draft or req.draft_token_ids):
         return False

@@ -21,8 +21,9 @@ import torch
 
 from . import counter_rng
 from .output_counts import OutputCounts
-from .sampler import SamplingRows, probs_device
+from .sampler import SamplingRows, _to_device, probs_device
 from .speculative import verify_batch
+from .structured.bitmask import apply_bitmask
 
 
 @dataclass
@@ -93,7 +94,8 @@ class StepSampler:
         if penalized:
             at = self._pending_index(penalized)
             slots, rows.penalty = self._penalties(pending, penalized, at, drafts, q_len, vocab)
-        probs = probs_device(sel.view(num * q_len, vocab), rows).view(num, q_len, vocab)
+        masked = self._apply_grammars(pending, sel, q_len)  # structured outputs; logprobs stay raw
+        probs = probs_device(masked.view(num * q_len, vocab), rows).view(num, q_len, vocab)
         counter_grid = rows.counters.view(num, q_len)
         seed_grid = rows.seeds.view(num, q_len)
         accept_u = counter_rng.uniform(counter_rng.row_keys(seed_grid[:, :-1].reshape(-1),
@@ -105,6 +107,31 @@ class StepSampler:
             self.output_counts.add(slots, emitted[at])
         finite = torch.isfinite(sel).flatten(1).all(dim=-1)
         return DeviceSample(emitted, accepted, finite, self._logprobs(pending, sel, emitted))
+
+    def _apply_grammars(self, pending: list, sel: torch.Tensor, q_len: int) -> torch.Tensor:
+        """sel [P, Q, V] with every grammar-constrained row masked (engine/structured/): one
+        bitmask row per constrained logits row, filled on the host, copied without blocking,
+        applied on the device. sel itself when no request has an active grammar."""
+        grammars = [(i, p) for i, p in enumerate(pending) if p.sched.request.grammar is not None]
+        if not grammars:
+            return sel
+        import xgrammar as xgr
+
+        num, vocab = sel.shape[0], sel.shape[-1]
+        bitmask = xgr.allocate_token_bitmask(len(grammars) * q_len, vocab).numpy()  # [M, W] int32
+        rows = []  # flat [P·Q] logits row of each bitmask row
+        for i, p in grammars:
+            s = p.sched
+            drafts = s.request.draft_token_ids[: s.num_draft]
+            start = len(rows)
+            for j in s.request.grammar.fill(bitmask, start, drafts, 1 + s.num_draft):
+                bitmask[len(rows)] = bitmask[start + j]
+                rows.append(i * q_len + j)
+        if not rows:
+            return sel
+        words = _to_device(torch.from_numpy(bitmask[: len(rows)]), self.device)
+        index = _device_ints([rows], self.device)[0]
+        return apply_bitmask(sel.reshape(num * q_len, vocab), words, index).view(num, q_len, vocab)
 
     def penalty_rows(self, reqs: list, vocab: int):
         """SamplingRows.penalty for MTP draft rows: (rows of the penalized requests [Rp], a copy

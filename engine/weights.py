@@ -489,7 +489,9 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloat16, devic
     if cfg.arch == "v41":  # DeepSeek-V4.1: its own model (bf16 activations by definition) and names
         from .v41.weights import load_v41
 
-        return load_v41(model_dir, device, progress, load_mtp, weight_dtype, experts, engram_tables)
+        model = load_v41(model_dir, device, progress, load_mtp, weight_dtype, experts, engram_tables)
+        model.source_dir = model_dir  # where its tokenizer is (structured outputs compile against it)
+        return model
     ckpt = _Checkpoint(shard_files(model_dir))
     layout = detect_layout(list(ckpt.location))
     has_mtp = any(n.startswith("mtp.") for n in ckpt.location)
@@ -522,4 +524,5 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloat16, devic
     model.train(False).requires_grad_(False)  # inference only
     logger.info("loaded %s (%s layout, %d tensors, %.1f MiB read) as %s, weights %s", model_dir, layout, len(targets),
                 filler.bytes_read / 2**20, dtype, weight_dtype)
+    model.source_dir = model_dir  # where its tokenizer is (structured outputs compile against it)
     return model

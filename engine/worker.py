@@ -125,6 +125,8 @@ class Worker:
         self.stats = WorkerStats()  # pauses are measured from serving on, not during loading
 
     async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.engine.on_grammar_ready = lambda: loop.call_soon_threadsafe(self.wake)  # from the compile thread
         if self.lockstep is not None:
             await self._run_lockstep(self.lockstep)
             return
@@ -132,6 +134,14 @@ class Worker:
         last_step_end = None
         while not self._stopping:
             self._apply_commands()
+            if self.engine.waits_on_grammars_only:  # nothing to step until a compile ends (it wakes us)
+                self._wakeup.clear()
+                failed = self.engine.settle_grammars()
+                if failed:
+                    self.emit(StepOutputs([], failed))
+                elif self.engine.waits_on_grammars_only and not self._commands and not self._stopping:
+                    await self._wakeup.wait()
+                continue
             if not self.engine.has_work:
                 last_step_end = None
                 self._idle_collect = True
@@ -180,6 +190,16 @@ class Worker:
             loaded = engine.kv_tick()  # [kv-connector] transfers finished since the last iteration
             if loaded is not None:
                 self.emit(loaded)
+            if engine.grammars is not None:
+                self._wakeup.clear()  # before looking: a compile ending from now on wakes us
+                failed = engine.settle_grammars()
+                if failed:
+                    self.emit(StepOutputs([], failed))
+                if engine.waits_on_grammars_only and not self._commands and not self._stopping:
+                    # the group waits in its next agreement meanwhile (a compile is bounded: the
+                    # edge compiled the same grammar within its time limit)
+                    await self._wakeup.wait()
+                    continue
             batch = engine.scheduler.schedule()
             wish = StepPlan(bool(batch), engine.draft_wish(batch) if batch else 0, bool(batch) and
                             engine.runner.static_ok(batch), self._stopping)

@@ -34,6 +34,25 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 TopLogprobs = list[list[tuple[int, float]]]  # per generated token: [(token_id, logprob), ...]
 
 
+MAX_GRAMMAR_CHARS = 1 << 20  # one structured-output specification (schema, regex, EBNF, ...)
+GRAMMAR_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+GrammarKind = Literal["json", "json_object", "regex", "choice", "grammar", "structural_tag"]
+
+
+class StructuredOutput(Struct, frozen=True, array_like=True):
+    """A grammar the output must follow (engine/structured/): `kind` says how `spec` reads —
+    json: a JSON Schema (JSON text); json_object: any JSON object (spec empty); regex: a regular
+    expression; choice: a JSON array of strings, one of which is the output; grammar: EBNF
+    (xgrammar's dialect, GBNF-like); structural_tag: xgrammar's structural tag (JSON text).
+    `start_after`: the grammar applies only after this token has been generated (a reasoning
+    model's end-of-reasoning token); None: from the first output token."""
+
+    kind: GrammarKind
+    spec: Annotated[str, Meta(max_length=MAX_GRAMMAR_CHARS)] = ""
+    any_whitespace: bool = True  # json kinds: any JSON whitespace between tokens (else compact)
+    start_after: TokenId | None = None
+
+
 class SamplingParams(Struct, frozen=True, array_like=True):
     """How one request samples. Logprobs come from the raw distribution (before temperature,
     penalties and top-k/p shaping), as vLLM reports them by default."""
@@ -54,6 +73,7 @@ class SamplingParams(Struct, frozen=True, array_like=True):
     prompt_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     # Prefix-cache tenant: requests share cached KV only with requests of the same salt (vLLM's name).
     cache_salt: Annotated[str, Meta(min_length=1, max_length=MAX_CACHE_SALT)] | None = None
+    structured: StructuredOutput | None = None  # grammar-constrained decoding (engine/structured/)
 
     @property
     def greedy(self) -> bool:

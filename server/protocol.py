@@ -15,6 +15,9 @@ from msgspec.structs import replace
 from ipc.codec import InvalidField, check
 from ipc.messages import SamplingParams
 
+from .errors import ProtocolError
+from .structured import StructuredLimits, parse_structured
+
 
 @dataclass(frozen=True)
 class Limits:
@@ -28,16 +31,7 @@ class Limits:
     max_prompts: int = 32  # prompts in one completions request
     max_stop_token_ids: int = 64
     max_user_chars: int = 256  # the `user` identifier (also the session-affinity key)
-
-
-class ProtocolError(ValueError):
-    def __init__(self, message: str, param: str | None = None, code: str | None = None,
-                 status: int = 400, err_type: str = "invalid_request_error"):
-        super().__init__(message)
-        self.message, self.param, self.code, self.status, self.err_type = message, param, code, status, err_type
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.err_type, "param": self.param, "code": self.code}}
+    structured: StructuredLimits = field(default_factory=StructuredLimits)  # grammars (server/structured.py)
 
 
 @dataclass
@@ -158,6 +152,7 @@ def _common(body: dict, limits: Limits, max_tokens_field: str, logprobs: int | N
         stop_token_ids=tuple(stop_ids),
         ignore_eos=bool(_get(body, "ignore_eos", (bool,), False)),
         cache_salt=_get(body, "cache_salt", (str,), None) or None,  # vLLM's name: prefix-cache tenant
+        structured=parse_structured(body, limits.structured),  # response_format / structured_outputs
     )
     return checked(params, {"max_tokens": max_tokens_field, "logprobs": "top_logprobs"
                             if max_tokens_field == "max_completion_tokens" else "logprobs"})
@@ -291,9 +286,6 @@ def parse_chat(body: Any, limits: Limits, served: list[str]) -> GenerationReques
     logprobs = (top or 0) if want_lp else None
     n = _int(body, "n", 1, 1, limits.max_n)
     stream, include, continuous = _stream_opts(body)
-    fmt = _get(body, "response_format", (dict,), None)
-    if fmt is not None and fmt.get("type") not in (None, "text"):
-        raise ProtocolError("only response_format type 'text' is supported", "response_format", "unsupported")
     params = _common(body, limits, "max_completion_tokens", logprobs, n)
     given = body.get("max_completion_tokens") is not None or body.get("max_tokens") is not None
     return GenerationRequest(model, [], messages, params, n, stream, include, _stop(body, limits), logprobs=logprobs,
