@@ -68,3 +68,40 @@ def test_engine_steps_make_one_host_read(fake_device, checkpoint_factory, k, asy
         assert sum(ahead for _, _, ahead in launches) >= 3, launches
     assert engine.scheduler.num_preemptions > 0
     assert emitted == {0: 12, 1: 12, 2: 12, 3: 6}
+
+
+@pytest.mark.parametrize("k", [0, 3])
+@torch.inference_mode()
+def test_grammar_masks_add_no_host_read(fake_device, checkpoint_factory, monkeypatch, k):
+    """Structured outputs on the fake device: the bitmask is filled on the host and copied over
+    without blocking, applied to the logits on the device; a step with grammar requests still
+    makes one results copy, and its decode steps still replay graphs. (The host reads back
+    placeholder tokens here, which no grammar follows: the matcher takes them as given.)"""
+    pytest.importorskip("xgrammar")
+    from server.make_tokenizer import write_tokenizer
+
+    from engine.structured import RequestGrammar
+    from ipc.messages import StructuredOutput
+
+    monkeypatch.setattr(RequestGrammar, "advance", lambda self, tokens: None)
+
+    path = checkpoint_factory("dry-dense", **GEOMETRY)
+    if not (path / "tokenizer.json").exists():
+        write_tokenizer(path, 512)
+    model = load_model(path, dtype=torch.bfloat16, device="cuda", progress=False)
+    engine = Engine(model, EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, block_size=16, num_kv_blocks=16,
+                                        cuda_graph_sizes=(2, 4), static_decode=True, speculative_tokens=k,
+                                        adaptive_speculation=False, max_model_len=64, enable_prefix_caching=False))
+    spec = StructuredOutput("regex", "[a-z]{3,9}")
+    engine.add_request(0, list(range(10, 20)), SamplingParams(max_tokens=8, ignore_eos=True, structured=spec))
+    engine.add_request(1, list(range(20, 30)), SamplingParams(max_tokens=8, temperature=0.9, seed=1, ignore_eos=True,
+                                                             structured=spec))
+    steps = []
+    while engine.has_work:
+        mark, replays = fake_device.mark(), fake_device.replays
+        engine.step()
+        steps.append((len(fake_device.since(mark, "d2h")), len(fake_device.syncs(mark)),
+                      fake_device.replays - replays, len(fake_device.since(mark, "h2d"))))
+    assert all(reads <= 1 and syncs <= 1 for reads, syncs, _, _ in steps), steps
+    assert sum(1 for _, _, replays, _ in steps if replays) >= 2, steps
+    assert engine.grammars is not None and engine.grammars.compiles == 1
