@@ -253,9 +253,12 @@ class PaddedA2A(All2All):
         return weighted_sum(y_tk, s.weights, s.out_dtype)
 
     def _check_capacity(self, pair_rows: torch.Tensor) -> None:
-        """pair_rows [N(src), N(dst)]: identical on every rank, so every rank decides the same."""
-        if pair_rows.is_cuda and torch.cuda.is_current_stream_capturing():
-            torch._assert_async(pair_rows.max() <= self.capacity)  # a device-side trap, never silent
+        """pair_rows [N(src), N(dst)]: identical on every rank, so every rank decides the same.
+        On CUDA a device-side trap, in and out of graph capture (a host check would sync every
+        MoE layer of every eager step; the capacity, max tokens per step × top-k, cannot be
+        exceeded by a correct caller, so the trap only ever catches a bug)."""
+        if pair_rows.is_cuda:
+            torch._assert_async(pair_rows.max() <= self.capacity)  # never silent
             return
         worst = int(pair_rows.max())
         if worst > self.capacity:

@@ -512,7 +512,7 @@ class EngineConfig:
 
 # ---- parallelism across worker processes ---------------------------------------------------
 
-ALL2ALL_BACKENDS = ("all_to_all", "padded_all_to_all", "allgather_reducescatter")
+ALL2ALL_BACKENDS = ("auto", "all_to_all", "padded_all_to_all", "allgather_reducescatter")
 
 
 @dataclass(frozen=True)
@@ -532,7 +532,7 @@ class ParallelConfig:
     num_redundant_experts: int = 0
     enable_eplb: bool = False
     eplb_step_interval: int = 3000
-    all2all_backend: str = "all_to_all"
+    all2all_backend: str = "auto"  # auto: padded_all_to_all on CUDA (graph-capturable), all_to_all on CPU
     collective_timeout_s: float = 30.0  # a rank that stops answering fails the group after this long
     rendezvous_timeout_s: float = 300.0  # every rank must have joined the group by then
 

@@ -168,6 +168,17 @@ class StaticDecodeBackend:
         """Copy the live rows into a shape's tables (an architecture may add its own fields)."""
         batch.fill([self._row(r, batch) for r in rows])
 
+    def padding_step(self, kind: str = "model") -> StaticStep | None:
+        """The smallest shape of `kind` with every row padding: a lockstep rank's dummy step,
+        which runs the same collectives (the padded all-to-all's buffers do not depend on the
+        shape) and touches only the dummy block."""
+        key = self.shape_for(1, 1, 1) if kind == "model" else self.mtp_shape_for(1)
+        if key is None:
+            return None
+        shape = self._get(key)
+        shape.batch.fill([])
+        return StaticStep(self, shape, 0)
+
     # ---- drafting chains (engine/draft_chain.py) ------------------------------------------------
     def chain_depths(self) -> list[int]:
         """Draft counts a chain serves: those a step may propose, from 2 (one draft has no

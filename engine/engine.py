@@ -87,6 +87,8 @@ class Engine:
             self.static = StaticDecodeBackend(model, self.cache, sizes, depths, max_len,
                                               capture=model.device.type == "cuda" and not config.enforce_eager,
                                               draft_steps=k > 0)
+            if self.static.capture:
+                _check_capturable_dispatch(model)
             self.static.capture_all()
         if v41:
             from .v41.runner import V41ModelRunner
@@ -333,6 +335,17 @@ def _drafts_of(launched: LaunchedStep) -> dict[int, int]:
     if drafts is None:
         return {}
     return {launched.pending[i].sched.request.request_id: drafts.tokens.shape[1] for i in drafts.live}
+
+
+def _check_capturable_dispatch(model) -> None:
+    """Expert parallelism under CUDA graphs needs the padded all-to-all: the others read split
+    sizes (or the largest batch) on the host, which graph capture forbids."""
+    from .all2all import PaddedA2A
+
+    a2a = next((b.ffn.parallel.a2a for b in model.layers if getattr(b.ffn, "parallel", None) is not None), None)
+    if a2a is not None and not isinstance(a2a, PaddedA2A):
+        raise ConfigError(f"--all2all-backend {type(a2a).__name__} reads split sizes on the host, which CUDA-graph "
+                          "capture forbids: use padded_all_to_all (the default, auto, on CUDA) or --enforce-eager")
 
 
 def _without_unsupported_prefix_caching(config: EngineConfig) -> EngineConfig:

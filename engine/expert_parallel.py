@@ -63,7 +63,7 @@ class ExpertParallel:
         self.model, self.group, self.parallel, self.placement = model, group, parallel, placement
         self.rank = group.rank
         layout = SlotLayout(placement.num_physical, group.world_size)
-        self.a2a = _backend(parallel.all2all_backend, layout, group.group,
+        self.a2a = _backend(resolve_all2all(parallel.all2all_backend, model.device), layout, group.group,
                             capacity=max_tokens_per_step * model.cfg.num_experts_per_tok)
         self.layers = [_moe_of(model, layer) for layer in range(placement.num_layers)]
         self.dispatchers: list[ExpertParallelMoE] = []
@@ -127,6 +127,14 @@ def _dispatcher(model, a2a, moe, maps) -> ExpertParallelMoE:
 def _moe_of(model, layer: int):
     n = model.cfg.num_layers
     return model.layers[layer].ffn if layer < n else model.mtp[layer - n].block.ffn
+
+
+def resolve_all2all(name: str, device: torch.device) -> str:
+    """--all2all-backend auto: the padded all-to-all on CUDA, where decode steps are captured as
+    graphs (fixed buffers, no host read), the uneven one on CPU (less data moved)."""
+    if name == "auto":
+        return "padded_all_to_all" if torch.device(device).type == "cuda" else "all_to_all"
+    return name
 
 
 def _backend(name: str, layout: SlotLayout, group, capacity: int):

@@ -92,18 +92,23 @@ class ModelRunner:
         self.num_host_reads = 0  # device → host reads (syncs) issued by steps so far
 
     def _prepare(self, rows: list[StepSeq], kind: str = "model", allow_static: bool = True):
-        """The first backend that takes the step (the per-sequence one always does, zero rows too)."""
+        """The first backend that takes the step (the per-sequence one always does, zero rows too).
+        Zero rows on the static backend (a lockstep rank with nothing to run while the others
+        replay static shapes): its padding-only shape, so the collectives inside are the graph's."""
         for backend in self.backends:
-            if backend is self.static and (not allow_static or not rows):
+            if backend is self.static and not allow_static:
                 continue
-            step = backend.prepare(rows, kind)
+            step = backend.prepare(rows, kind) if rows or backend is not self.static else backend.padding_step(kind)
             if step is not None:
                 return step
         raise AssertionError("the sequence backend accepts every step")
 
     def static_ok(self, batch: Batch) -> bool:
         """Whether the static backend would take this batch's target forward (lockstep asks every
-        rank before any takes it)."""
+        rank before any takes it). An empty batch (an idle rank's dummy step) can always take its
+        padding-only shape: one idle rank must not send the whole group to eager steps."""
+        if not batch.scheduled:
+            return self.static is not None
         q = batch.uniform_decode
         return (self.static is not None and q is not None
                 and self.static.shape_for(len(batch.scheduled), q, max(s.end for s in batch.scheduled)) is not None)

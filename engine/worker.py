@@ -201,8 +201,8 @@ class Worker:
                     await self._wakeup.wait()
                     continue
             batch = engine.scheduler.schedule()
-            wish = StepPlan(bool(batch), engine.draft_wish(batch) if batch else 0, bool(batch) and
-                            engine.runner.static_ok(batch), self._stopping)
+            wish = StepPlan(bool(batch), engine.draft_wish(batch) if batch else 0, engine.runner.static_ok(batch),
+                            self._stopping)
             plan = lockstep.agree(wish)  # the one collective of every iteration, on every rank
             if plan.stopping:
                 return

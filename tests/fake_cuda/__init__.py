@@ -8,7 +8,8 @@
 Inside the context, tensors on `cuda` are torch FakeTensors (no data; the C++ device guard of
 guard.cpp lets a CPU build of torch hold them), CPU tensors stay real, `torch.cuda`'s runtime
 API has stand-ins (runtime.py), and kernel launches are checked and recorded instead of run
-(launches.py). What would fail or silently go wrong on a GPU raises `FakeCudaFault`
+(launches.py), and collectives on fake tensors are checked and agreed across the real group
+instead of run (collectives.py). What would fail or silently go wrong on a GPU raises `FakeCudaFault`
 (dispatch.py lists the checks). What it cannot show: numerics, timings, races — a real GPU
 run (scripts/gpu_check.sh) does.
 """
@@ -22,6 +23,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from . import guard
+from .collectives import fake_collectives
 from .dispatch import FakeCudaMode
 from .launches import FakeAddresses, cupy_launches, triton_launches
 from .record import FakeCudaFault, Launch, Record, Transfer
@@ -94,7 +96,9 @@ def fake_cuda(device_count: int = 1, fill: int = 1) -> Iterator[Record]:
         setattr(torch, name, _via_host(ctor))
     lib.ringserve_fake_cuda_set_device(0)
     try:
-        with triton_launches(record), cupy_launches(record, addresses), FakeCudaMode(record, fill):
+        with (triton_launches(record), cupy_launches(record, addresses), fake_collectives(record) as collectives,
+              FakeCudaMode(record, fill)):
+            record.collectives = collectives.calls
             yield record
     finally:
         for name, value in saved.items():

@@ -24,7 +24,8 @@ from __future__ import annotations
 import weakref
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException, FakeTensor,
+                                          FakeTensorMode)
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
@@ -51,7 +52,8 @@ _INDEX_DTYPES = {
 }
 # ops whose output shape depends on the data: a host read on CUDA
 _DATA_SHAPED = {aten.nonzero.default, aten.masked_select.default, aten.unique_dim.default, aten._unique2.default,
-                aten.unique_consecutive.default, aten.repeat_interleave.Tensor, aten.bincount.default}
+                aten.unique_consecutive.default, aten.repeat_interleave.Tensor, aten.repeat_interleave.self_Tensor,
+                aten.bincount.default}
 # indexing ops that take a boolean mask as an index (on CUDA: a nonzero, so a host read)
 _MASKABLE = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
 # ops that return host values computed from device data
@@ -125,8 +127,13 @@ class FakeCudaMode(TorchDispatchMode):
             if func is aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
                 return self._grouped_mm_fallback(func, args, kwargs)
         args, kwargs = tree_map(self._as_fake, (args, kwargs))
-        with self.fake:
-            return func(*args, **kwargs)
+        try:
+            with self.fake:
+                return func(*args, **kwargs)
+        except (DynamicOutputShapeException, DataDependentOutputException):  # any op not listed above
+            self._read(func, fakes, 0)
+            raise self.record.fault("data-dependent-shape", f"{func} depends on device data on the host "
+                                    "(a host sync on CUDA; it cannot be captured)") from None
 
     def _grouped_mm_fallback(self, func, args, kwargs):
         """CUDA's fast grouped GEMM (sm90/sm100) takes bf16 operands only; any other dtype takes

@@ -68,6 +68,7 @@ class Launch:
 class Record:
     transfers: list[Transfer] = field(default_factory=list)
     launches: list[Launch] = field(default_factory=list)
+    collectives: list = field(default_factory=list)  # (op, sizes, call site, captured) per collective
     capturing: int = 0  # nesting depth of graph captures in progress
     captures: int = 0  # graphs captured
     replays: int = 0
