@@ -287,8 +287,8 @@ class ClusterStore(dist.Store):
         with self._lock:
             self._next_id += 1
             request = make(self._next_id)
-            self._sock.send(_ENCODE(request))
             deadline = time.monotonic() + self.timeout.total_seconds()
+            self._send(_ENCODE(request), deadline)
             while (left := deadline - time.monotonic()) > 0 and not self.stop_waiting():
                 if not self._sock.poll(max(1, int(min(left, 0.5) * 1000))):
                     continue
@@ -303,6 +303,19 @@ class ClusterStore(dist.Store):
                 return reply
         raise StoreTimeout(f"no answer from the rendezvous store at {self.where} "
                            f"within {self.timeout.total_seconds():g} s")
+
+    def _send(self, data: bytes, deadline: float) -> None:
+        """Queue a request; with no connection to queue it on (the host refused our handshake,
+        or is not up since a connection failed), wait for one, bounded like the reply."""
+        while True:
+            try:
+                self._sock.send(data, zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                if time.monotonic() >= deadline or self.stop_waiting():
+                    raise StoreTimeout(f"no answer from the rendezvous store at {self.where} "
+                                       f"within {self.timeout.total_seconds():g} s") from None
+                time.sleep(_POLL_S)
 
     def close(self) -> None:
         self._sock.close(linger=0)

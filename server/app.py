@@ -13,7 +13,7 @@ import logging
 
 from aiohttp import web
 
-from . import handlers
+from . import handlers, offload
 from .openapi import openapi_spec
 from .protocol import ProtocolError
 from .state import STATE, AppState
@@ -72,16 +72,20 @@ async def tokenize(request: web.Request) -> web.Response:
     body = await handlers.read_json(request)
     if not isinstance(body, dict):
         raise ProtocolError("the request body must be a JSON object", None, "invalid_body")
+    # Large inputs tokenize, and their answer is written, off the event loop (server/offload.py).
     if isinstance(body.get("prompt"), str):
-        ids = state.tokenizer.encode(body["prompt"], add_bos=bool(body.get("add_special_tokens", True)))
+        answer = await offload.tokenize_body(state.tokenizer, text=body["prompt"],
+                                             add_bos=bool(body.get("add_special_tokens", True)),
+                                             max_model_len=state.max_model_len)
     elif isinstance(body.get("messages"), list):
         try:
-            ids = state.tokenizer.encode_chat(body["messages"])
+            answer = await offload.tokenize_body(state.tokenizer, messages=body["messages"],
+                                                 max_model_len=state.max_model_len)
         except ValueError as exc:
             raise ProtocolError(str(exc), "messages", "invalid_value") from None
     else:
         raise ProtocolError("give 'prompt' (a string) or 'messages'", "prompt", "invalid_value")
-    return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len})
+    return web.Response(body=answer, content_type="application/json")
 
 
 async def detokenize(request: web.Request) -> web.Response:
@@ -92,7 +96,7 @@ async def detokenize(request: web.Request) -> web.Response:
                                                for t in tokens):
         raise ProtocolError(f"'tokens' must be a list of token ids in [0, {state.vocab_size})", "tokens",
                             "invalid_value")
-    return web.json_response({"prompt": state.tokenizer.decode(tokens)})
+    return web.json_response({"prompt": await offload.decode(state.tokenizer, tokens)})
 
 
 async def version(request: web.Request) -> web.Response:

@@ -23,6 +23,7 @@ from msgspec.structs import replace
 
 from ipc.messages import INT64_MAX, INT64_MIN, Finished, PromptLogprobs, TokenDelta
 
+from . import offload
 from .protocol import GenerationRequest, ProtocolError, checked, parse_chat, parse_completion
 from .state import AppState, STATE
 from .stream import ChoiceStream
@@ -70,12 +71,12 @@ async def read_json(request: web.Request) -> Any:
         raise ProtocolError(f"the request body is not valid JSON ({reason})", None, "invalid_json") from None
 
 
-def _prompt_ids(state: AppState, req: GenerationRequest) -> list[list[int]]:
+async def _prompt_ids(state: AppState, req: GenerationRequest) -> list[list[int]]:
     if req.messages is not None:
-        return [state.tokenizer.encode_chat(req.messages)]  # ValueError → 400 (messages)
+        return [await offload.encode_chat(state.tokenizer, req.messages)]  # ValueError → 400 (messages)
     out = []
     for p in req.prompts:
-        ids = state.tokenizer.encode(p) if isinstance(p, str) else p
+        ids = await offload.encode(state.tokenizer, p) if isinstance(p, str) else p
         vocab = state.vocab_size
         bad = next((t for t in ids if t >= vocab), None)
         if bad is not None:
@@ -115,7 +116,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def _generate(request: web.Request, state: AppState, req: GenerationRequest, chat: bool) -> web.StreamResponse:
     try:
-        prompts = _prompt_ids(state, req)
+        prompts = await _prompt_ids(state, req)  # large inputs tokenize off the event loop
     except ValueError as exc:
         if isinstance(exc, ProtocolError):
             raise

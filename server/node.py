@@ -132,7 +132,10 @@ class HeadlessNode:
         self.sock.connect(cluster_auth.tcp_endpoint(self.sock, p.data_parallel_address, p.data_parallel_rpc_port))
         try:
             while True:
-                await self.sock.send(hello)
+                try:
+                    await self.sock.send(hello, zmq.NOBLOCK)
+                except zmq.Again:  # no connection to queue it on right now: the next round says it again
+                    pass
                 until = min(loop.time() + wait, deadline)
                 while (left := until - loop.time()) > 0:
                     ready = dict(await self._poller(handshake).poll(timeout=max(1, int(left * 1000))))
