@@ -15,6 +15,8 @@ Engram tables are allocated and filled in CPU memory, never on the device.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import logging
 from pathlib import Path
 
@@ -120,6 +122,11 @@ def load_v41(model_dir: str | Path, device: str = "cpu", progress: bool = False,
         raise WeightLoadError(f"unexpected tensor {sorted(leftover)[0]} (unused scale or extra tensor)")
     model.train(False).requires_grad_(False)
     model.prepare(model_dir)
+    if model.device.type == "cuda":
+        # The reference's exact block GEMMs form every product in fp64 (fp64 copies of the weights,
+        # fp64 arithmetic): a CPU's way to REF's bits, never a GPU's. On CUDA the kernels'
+        # fp32-accumulated FP8/FP4 GEMMs (engine/v41/numerics.py `exact=False`).
+        model.numerics = replace(model.numerics, exact=False)
     logger.info("loaded V4.1 %s (%d tensors, %.1f MiB read), weights %s", model_dir, len(targets),
                 filler.bytes_read / 2**20, weight_dtype)
     return model
