@@ -124,10 +124,10 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
                    help="extra expert replicas over the group (EPLB gives them to the most loaded experts)")
     g.add_argument("--enable-eplb", action="store_true", help="rebalance expert placement from measured load")
     g.add_argument("--eplb-step-interval", type=int, default=3000, help="engine steps between EPLB rebalances")
-    g.add_argument("--all2all-backend", default="all_to_all",
-                   choices=["all_to_all", "padded_all_to_all", "allgather_reducescatter"],
+    g.add_argument("--all2all-backend", default="auto",
+                   choices=["auto", "all_to_all", "padded_all_to_all", "allgather_reducescatter"],
                    help="MoE dispatch/combine: uneven all-to-all, fixed-size padded buffers (CUDA-graph safe), "
-                        "or all-gather + reduce-scatter")
+                        "or all-gather + reduce-scatter; auto: padded on CUDA, uneven on CPU")
     g.add_argument("--data-parallel-size-local", type=int, default=None,
                    help="ranks this node runs (multi-node; default: all)")
     g.add_argument("--data-parallel-start-rank", type=int, default=0, help="the first rank this node runs")

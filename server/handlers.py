@@ -115,6 +115,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _generate(request: web.Request, state: AppState, req: GenerationRequest, chat: bool) -> web.StreamResponse:
+    if req.params.structured is not None and state.grammar_checker is not None:
+        await state.grammar_checker.check(req.params.structured)  # 400 unless it compiles within the deadline
     try:
         prompts = await _prompt_ids(state, req)  # large inputs tokenize off the event loop
     except ValueError as exc:

@@ -26,6 +26,7 @@ from .metrics import Metrics
 from .pd import add_kv_routes, add_pd_args, check_pd_listeners, kv_transfer_config_from
 from .protocol import Limits
 from .state import AppState
+from .structured import GrammarChecker, StructuredLimits
 from .systemd import WatchdogFeeder
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,11 @@ def add_serve_parser(sub: argparse._SubParsersAction, add_engine_args) -> None:
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
     p.add_argument("--request-timeout", type=float, default=600.0, help="per-request deadline in seconds")
     p.add_argument("--max-request-bytes", type=int, default=Limits.max_body_bytes)
+    p.add_argument("--structured-outputs-compile-timeout", type=float, default=StructuredLimits.compile_timeout_s,
+                   help="seconds a new grammar (JSON Schema, regex, EBNF, ...) may take to compile before the request "
+                        "is refused with a 400")
+    p.add_argument("--structured-outputs-max-chars", type=int, default=StructuredLimits.max_chars,
+                   help="largest structured-output specification accepted (characters)")
     p.add_argument("--max-connections", type=int, default=1024,
                    help="open HTTP connections at once; one more gets 503 and is closed")
     p.add_argument("--header-timeout", type=float, default=20.0,
@@ -149,11 +155,15 @@ async def serve(args: argparse.Namespace) -> int:
     if not await _start_unless_stopped(client, stop):
         logger.warning("stopped while starting: every worker is stopped")
         return 0
-    limits = Limits(max_body_bytes=args.max_request_bytes)
+    structured = StructuredLimits(max_chars=args.structured_outputs_max_chars,
+                                  compile_timeout_s=args.structured_outputs_compile_timeout)
+    limits = Limits(max_body_bytes=args.max_request_bytes, structured=structured)
     state = AppState(client, tokenizer, [name], model_cfg.vocab_size, client.max_model_len, limits=limits,
                      api_key=args.api_key, max_running=args.dp * config.max_num_seqs,
                      max_queued_requests=args.max_queued_requests, request_timeout_s=args.request_timeout,
-                     body_timeout_s=args.body_timeout, metrics=Metrics(name))
+                     body_timeout_s=args.body_timeout, metrics=Metrics(name),
+                     grammar_checker=GrammarChecker(model_dir, model_cfg.vocab_size, list(model_cfg.eos_token_ids),
+                                                    structured))
     app = make_app(state)
     if config.kv_transfer is not None:
         add_kv_routes(app, client)
@@ -196,6 +206,7 @@ async def serve(args: argparse.Namespace) -> int:
         await asyncio.sleep(0.05)
     stats_task.cancel()
     await feeder.stop()
+    state.grammar_checker.close()
     await client.shutdown()  # unfinished requests end with finish_reason "abort" (or a dead rank's cause)
     deadline = time.monotonic() + FLUSH_TIMEOUT_S
     while state.in_flight and time.monotonic() < deadline:  # let their handlers write the last events

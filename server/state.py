@@ -47,6 +47,7 @@ class AppState:
     body_timeout_s: float = 60.0  # to receive a request's whole body
     version: str = "0.1.0"
     metrics: object | None = None
+    grammar_checker: object | None = None  # server/structured.py GrammarChecker (None: specs go unchecked)
     ready: bool = False
     draining: bool = False
     started_at: float = field(default_factory=time.time)
