@@ -3,8 +3,7 @@ logits in kernels/cpu_attention.py, index scores in kernels/cpu_indexer.py): 16 
 each loaded element feeds four FMAs and LLVM vectorises along the dot's length.
 
 Reassociation and FMA contraction only (never nnan/ninf): NaN and Inf still propagate. Kernels
-calling it carry it inlined; after editing only this file clear their kernels/__pycache__
-entries (numba's cache checks the calling module's file alone).
+calling it carry it inlined (kernels/cpu_cache.py recompiles them all when any kernel changes).
 """
 from __future__ import annotations
 

@@ -28,9 +28,8 @@ Numerics, against the references on CPU:
   bf16 matmul at large batches (T=16, D=4096: ~1e-6 of the elements) take other paths whose
   sums can differ by one ulp.
 
-Caching caveat (as kernels/cpu_numerics.py): the kernels here carry kernels/sinkhorn.py's,
-cpu_torch_sum.py's and cpu_numerics.py's jitted code inlined; after editing only those, clear this module's
-kernels/__pycache__/cpu_mhc.* entries.
+The kernels here carry kernels/sinkhorn.py's, cpu_torch_sum.py's and cpu_numerics.py's jitted
+code inlined (kernels/cpu_cache.py recompiles them when any of those changes).
 """
 from __future__ import annotations
 

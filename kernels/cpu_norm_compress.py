@@ -17,8 +17,7 @@ sum follows torch's outer-sum cascade, the state rows are exact.
 
 bf16 tensors travel as uint16 bit views; numba compiles one specialisation per dtype/layout
 combination (cached on disk). Quantized pool formats are written by kernels.cpu_kv's scatter.
-Caching caveat: the kernels inline kernels/cpu_numerics.py; after editing that file alone clear
-kernels/__pycache__/cpu_norm_compress.*.nbi/.nbc (or touch this file).
+The kernels inline kernels/cpu_numerics.py (kernels/cpu_cache.py recompiles them when it changes).
 """
 from __future__ import annotations
 

@@ -12,11 +12,13 @@ fp32 bit patterns.
 Numba widens uint32 arithmetic to 64 bits, so every intermediate is wrapped in ``U32``; the
 constants are typed globals (numba freezes them into the code).
 
-Caching caveat: numba's on-disk cache checks only the file that defines a kernel, and the
-kernels of cpu_kv.py carry this module's code inlined, so after editing this file alone clear
-kernels/__pycache__/cpu_kv.*.nbi/.nbc (or touch cpu_kv.py).
+Caching: numba's own on-disk cache checks only the file that defines a kernel, while the kernels
+of cpu_kv.py (and most others) carry this module's code inlined; kernels/cpu_cache.py, installed
+here before any kernel is decorated, stamps every kernel with all the kernel sources instead.
 """
 from __future__ import annotations
+
+from kernels import cpu_cache  # noqa: F401  (first: the cache locators, before any @njit below)
 
 import numpy as np
 from llvmlite import ir

@@ -6,8 +6,8 @@ LEVELS-deep cascade flushed every 2^p groups, then the leftovers, the scalar tai
 left to right. LANES is probed against torch at import (8 on x86 even where AVX-512 exists: the
 sum kernel is built for AVX2); an unknown build falls back to 8 and differs by fp32 ulps.
 
-Caching caveat (as kernels/cpu_numerics.py): kernels that call sum_squares carry it inlined, so
-after editing only this file clear their kernels/__pycache__ entries.
+Kernels that call sum_squares carry it inlined (kernels/cpu_cache.py recompiles them when it
+changes).
 """
 from __future__ import annotations
 
