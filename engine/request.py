@@ -50,6 +50,7 @@ class Request:
     # one-hot (greedy) drafts.
     draft_probs: torch.Tensor | None = None
     num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens a prefix-cache hit supplied when first scheduled (usage)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     error: str | None = None

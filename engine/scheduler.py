@@ -159,6 +159,7 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             if req.scheduled_time is None:
                 req.scheduled_time = time.monotonic()
+                req.num_cached_tokens = req.num_computed_tokens  # what the prefix cache supplied
             self.running.append(req)
             batch.scheduled.append(self._scheduled(req, n))
             budget -= n
@@ -299,7 +300,7 @@ class Scheduler:
         self._release(req, failed=reason is FinishReason.ERROR)
         self.requests.pop(req.request_id, None)
         return Finished(req.request_id, reason.value, req.num_prompt_tokens, req.num_output_tokens, req.error,
-                        error_code, req.queued_s)
+                        error_code, req.queued_s, cached_tokens=req.num_cached_tokens)
 
     def _release(self, req: Request, failed: bool = False) -> None:
         if req.seq is not None:

@@ -35,15 +35,17 @@ TopLogprobs = list[list[tuple[int, float]]]  # per generated token: [(token_id, 
 
 
 MAX_GRAMMAR_CHARS = 1 << 20  # one structured-output specification (schema, regex, EBNF, ...)
-GRAMMAR_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
-GrammarKind = Literal["json", "json_object", "regex", "choice", "grammar", "structural_tag"]
+GRAMMAR_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag", "tool_calls")
+GrammarKind = Literal["json", "json_object", "regex", "choice", "grammar", "structural_tag", "tool_calls"]
 
 
 class StructuredOutput(Struct, frozen=True, array_like=True):
     """A grammar the output must follow (engine/structured/): `kind` says how `spec` reads —
     json: a JSON Schema (JSON text); json_object: any JSON object (spec empty); regex: a regular
     expression; choice: a JSON array of strings, one of which is the output; grammar: EBNF
-    (xgrammar's dialect, GBNF-like); structural_tag: xgrammar's structural tag (JSON text).
+    (xgrammar's dialect, GBNF-like); structural_tag: xgrammar's structural tag (JSON text);
+    tool_calls: a forced tool choice in a model's own tool-call markup (JSON: {"model", "tools",
+    "tool_choice", "reasoning", "parallel_tool_calls"}, xgrammar's built-in structural tag).
     `start_after`: the grammar applies only after this token has been generated (a reasoning
     model's end-of-reasoning token); None: from the first output token."""
 
@@ -154,6 +156,7 @@ class Finished(Struct, frozen=True, array_like=True):
     queued_s: Seconds = 0.0  # from arrival in the worker to its first scheduled step
     # A prefill for a remote decode: where its KV is held (the HTTP response's kv_transfer_params).
     kv_transfer_params: KVTransferParams | None = None
+    cached_tokens: Count = 0  # prompt tokens served from the prefix cache when it was first scheduled
 
 
 class StepOutputs(Struct, frozen=True, array_like=True, tag=4):

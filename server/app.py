@@ -14,6 +14,7 @@ import logging
 from aiohttp import web
 
 from . import handlers, offload
+from .chat_request import parse_chat_request
 from .openapi import openapi_spec
 from .protocol import ProtocolError
 from .state import STATE, AppState
@@ -77,12 +78,10 @@ async def tokenize(request: web.Request) -> web.Response:
         answer = await offload.tokenize_body(state.tokenizer, text=body["prompt"],
                                              add_bos=bool(body.get("add_special_tokens", True)),
                                              max_model_len=state.max_model_len)
-    elif isinstance(body.get("messages"), list):
-        try:
-            answer = await offload.tokenize_body(state.tokenizer, messages=body["messages"],
-                                                 max_model_len=state.max_model_len)
-        except ValueError as exc:
-            raise ProtocolError(str(exc), "messages", "invalid_value") from None
+    elif isinstance(body.get("messages"), list):  # the ids a chat request with these fields would have
+        rendered = await offload.run(state.renderer.render, parse_chat_request(body))
+        answer = await offload.tokenize_body(state.tokenizer, text=rendered.text, add_bos=False,
+                                             max_model_len=state.max_model_len)
     else:
         raise ProtocolError("give 'prompt' (a string) or 'messages'", "prompt", "invalid_value")
     return web.Response(body=answer, content_type="application/json")

@@ -1,8 +1,10 @@
-"""The generation endpoints: /v1/completions and /v1/chat/completions, streaming (SSE) and not.
+"""OpenAI's generation endpoints: /v1/completions and /v1/chat/completions, streamed (SSE) or not.
 
-Each (prompt, n) choice runs as its own engine request; their outputs are merged in arrival
-order. The handler is cancelled when the client goes away (the app runs with handler
-cancellation), and cancelling a choice's task aborts its engine request within one step.
+A request's way: parse (server/protocol.py) → prompt ids (completions: encode; chat: render
+with the model family's chat format, server/chat_render.py, then encode) → run its choices in
+the engine (server/run.py `Generation`) → shape the events as OpenAI's responses (chat: each
+choice's text read into reasoning, content and tool calls by server/chat_output.py). The
+Anthropic and Responses endpoints take the same way through `prepare_chat` and `Generation`.
 """
 
 from __future__ import annotations
@@ -21,21 +23,18 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 from msgspec.structs import replace
 
-from ipc.messages import INT64_MAX, INT64_MIN, Finished, PromptLogprobs, TokenDelta
+from ipc.messages import PromptLogprobs
 
 from . import offload
+from .chat import ContentDelta, ReasoningDelta, ToolCallArgumentsDelta, ToolCallStart
+from .chat_output import ChatOutput
+from .chat_render import Rendered
 from .protocol import GenerationRequest, ProtocolError, checked, parse_chat, parse_completion
+from .run import ChoiceEvent, Generation, engine_error
 from .state import AppState, STATE
 from .stream import ChoiceStream
 
 logger = logging.getLogger(__name__)
-
-
-def choice_seed(seed: int, choice: int) -> int:
-    """Choice i of a seeded request with n > 1 samples with seed + i, wrapped into int64 (so a
-    seed near the top of the range is still a valid, reproducible seed for every choice)."""
-    span = INT64_MAX - INT64_MIN + 1
-    return (seed + choice - INT64_MIN) % span + INT64_MIN
 
 
 _JSON = msgspec.json.Decoder()
@@ -71,12 +70,13 @@ async def read_json(request: web.Request) -> Any:
         raise ProtocolError(f"the request body is not valid JSON ({reason})", None, "invalid_json") from None
 
 
-async def _prompt_ids(state: AppState, req: GenerationRequest) -> list[list[int]]:
-    if req.messages is not None:
-        return [await offload.encode_chat(state.tokenizer, req.messages)]  # ValueError → 400 (messages)
+# ---- from a request to its prompt ids -------------------------------------------------------------
+
+
+async def _completion_prompts(state: AppState, req: GenerationRequest) -> list[list[int]]:
     out = []
     for p in req.prompts:
-        ids = await offload.encode(state.tokenizer, p) if isinstance(p, str) else p
+        ids = await offload.encode(state.tokenizer, p) if isinstance(p, str) else p  # large ones off the loop
         vocab = state.vocab_size
         bad = next((t for t in ids if t >= vocab), None)
         if bad is not None:
@@ -86,13 +86,44 @@ async def _prompt_ids(state: AppState, req: GenerationRequest) -> list[list[int]
     return out
 
 
+async def prepare_chat(state: AppState, req: GenerationRequest) -> tuple[list[int], Rendered]:
+    """A chat request's prompt ids, through the model family's renderer (off the loop: a long
+    conversation renders and encodes on the pool), its grammar settled (a forced tool choice, or
+    a response format that starts after the reasoning) and checked. Every chat API calls this."""
+    rendered = await offload.run(state.renderer.render, req.chat)
+    structured = state.renderer.grammar(req.chat, rendered, req.params.structured)
+    if structured is not req.params.structured:
+        req.params = checked(replace(req.params, structured=structured))
+    await _check_grammar(state, req)
+    ids = await offload.encode(state.tokenizer, rendered.text, add_bos=False)  # the text holds its BOS
+    _fit_context(state, req, [ids])
+    return ids, rendered
+
+
+async def _check_grammar(state: AppState, req: GenerationRequest) -> None:
+    if req.params.structured is not None and state.grammar_checker is not None:
+        await state.grammar_checker.check(req.params.structured)  # 400 unless it compiles within the deadline
+
+
+def session_of(request: web.Request, user: str | None) -> str | None:
+    """The DP / prefix-cache affinity key: `user`, else a session header agent harnesses send
+    (AIPerf's X-Session-ID / X-Correlation-ID)."""
+    if user:
+        return user
+    for header in ("X-Session-ID", "X-Correlation-ID"):
+        value = request.headers.get(header)
+        if value:
+            return value[:256]
+    return None
+
+
 def _fit_context(state: AppState, req: GenerationRequest, prompts: list[list[int]]) -> None:
     limit = state.max_model_len
-    param = "max_completion_tokens" if req.messages is not None else "max_tokens"
+    param = "max_completion_tokens" if req.chat is not None else "max_tokens"
     for ids in prompts:
         if len(ids) >= limit:
             raise ProtocolError(f"the prompt has {len(ids)} tokens; the model's context length is {limit} tokens",
-                                "messages" if req.messages is not None else "prompt", "context_length_exceeded")
+                                "messages" if req.chat is not None else "prompt", "context_length_exceeded")
         if req.max_tokens_given and len(ids) + req.params.max_tokens > limit:
             raise ProtocolError(
                 f"this model's maximum context length is {limit} tokens, but the request asks for "
@@ -102,163 +133,127 @@ def _fit_context(state: AppState, req: GenerationRequest, prompts: list[list[int
         req.params = checked(replace(req.params, max_tokens=limit - max(map(len, prompts))))
 
 
+# ---- the endpoints -----------------------------------------------------------------------------------
+
+
 async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req = parse_completion(await read_json(request), state.limits, state.served_names)
-    return await _generate(request, state, req, chat=False)
+    req.user = session_of(request, req.user)
+    await _check_grammar(state, req)
+    prompts = await _completion_prompts(state, req)
+    _fit_context(state, req, prompts)
+    with state.admit(len(prompts) * req.n):  # raises 429/503 when overloaded or draining
+        return await _OpenAIResponse(state, req, Generation(state, req, prompts), None).send(request)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req = parse_chat(await read_json(request), state.limits, state.served_names)
-    return await _generate(request, state, req, chat=True)
+    req.user = session_of(request, req.user)
+    ids, rendered = await prepare_chat(state, req)
+    outputs = [ChatOutput(rendered, req.chat.parses_tool_calls, state.renderer.think_end_id) for _ in range(req.n)]
+    with state.admit(req.n):
+        gen = Generation(state, req, [ids], keep_special_tokens=outputs[0].keeps_special_tokens)
+        return await _OpenAIResponse(state, req, gen, outputs).send(request)
 
 
-async def _generate(request: web.Request, state: AppState, req: GenerationRequest, chat: bool) -> web.StreamResponse:
-    if req.params.structured is not None and state.grammar_checker is not None:
-        await state.grammar_checker.check(req.params.structured)  # 400 unless it compiles within the deadline
-    try:
-        prompts = await _prompt_ids(state, req)  # large inputs tokenize off the event loop
-    except ValueError as exc:
-        if isinstance(exc, ProtocolError):
-            raise
-        raise ProtocolError(str(exc), "messages", "invalid_value") from None
-    _fit_context(state, req, prompts)
-    n_choices = len(prompts) * req.n
-    with state.admit(n_choices):  # raises 429/503 when overloaded or draining
-        run = _Run(state, req, prompts, chat)
-        if req.stream:
-            return await run.stream(request)
-        return await run.complete()
+# ---- OpenAI's response shapes ------------------------------------------------------------------------
 
 
-def _engine_error(message: str, code: int) -> ProtocolError:
-    """The OpenAI error for a request the engine refused (4xx) or failed (5xx)."""
-    status = code if 400 <= code <= 599 else 500
-    return ProtocolError(message, None, "engine_error", status=status,
-                         err_type="server_error" if status >= 500 else "invalid_request_error")
+class _OpenAIResponse:
+    """A completions or chat response (`outputs`: each chat choice's reader; None for
+    completions), whole or as server-sent events."""
 
-
-class _Run:
-    """One HTTP request's choices, running concurrently in the engine."""
-
-    def __init__(self, state: AppState, req: GenerationRequest, prompts: list[list[int]], chat: bool):
-        self.state, self.req, self.prompts, self.chat = state, req, prompts, chat
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    def __init__(self, state: AppState, req: GenerationRequest, gen: Generation, outputs: list[ChatOutput] | None):
+        self.state, self.req, self.gen, self.outputs = state, req, gen, outputs
+        self.chat = outputs is not None
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        self.choices = [ChoiceStream(i, state.tokenizer, req.stop) for i in range(len(prompts) * req.n)]
-        self.events: asyncio.Queue = asyncio.Queue()
-        self.tasks: list[asyncio.Task] = []
-        self.disconnected = True  # until the response completes, a cancellation means the client left
-        self.kv_transfer_params = None  # PD: where a prefill for a remote decode holds the KV
+        self.messages: dict[int, dict] = {}  # chat: each choice's final message (MessageDone)
+        self.sent_tokens: dict[int, int] = {}
 
-    # ---- engine side -------------------------------------------------------------------------
-    def _start(self) -> None:
-        for i, choice in enumerate(self.choices):
-            ids = self.prompts[i // self.req.n]
-            params = self.req.params
-            if params.seed is not None and self.req.n > 1:
-                params = replace(params, seed=choice_seed(params.seed, i % self.req.n))  # distinct, reproducible
-            self.tasks.append(asyncio.ensure_future(self._pump(choice, ids, params)))
+    async def send(self, request: web.Request) -> web.StreamResponse:
+        return await (self.stream(request) if self.req.stream else self.complete())
 
-    async def _pump(self, choice: ChoiceStream, ids: list[int], params) -> None:
-        timer = self.state.metrics_timer()
-        try:
-            await self._consume(choice, ids, params, timer)
-        except asyncio.CancelledError:
-            if choice.state.finish_reason is None:  # the client went away (or the deadline passed)
-                timer.abort(len(ids), len(choice.state.token_ids), client_disconnected=self.disconnected)
-            raise
-        except Exception as exc:  # the choice failed (e.g. its request could not be sent): report it
-            logger.exception("choice %d of %s failed", choice.state.index, self.id)
-            await self.events.put((choice, ProtocolError(f"request failed: {type(exc).__name__}: {exc}", None,
-                                                         "engine_error", status=500, err_type="server_error"), 0, True))
-        finally:
-            timer.finish(choice.state.finish_reason or "abort", len(ids), len(choice.state.token_ids))
+    def _usage(self) -> dict:
+        if not self.chat:
+            return self.gen.usage()
+        reasoning = sum(self.outputs[c.state.index].reasoning_tokens(c.state.token_ids) for c in self.gen.choices)
+        return self.gen.usage(reasoning)
 
-    async def _consume(self, choice: ChoiceStream, ids: list[int], params, timer) -> None:
-        kv = {"kv_transfer_params": self.req.kv_transfer_params} if self.req.kv_transfer_params is not None else {}
-        async for item in self.state.client.generate(ids, params, session=self.req.user, **kv):
-            if isinstance(item, Finished):
-                timer.scheduled(timer.arrival + item.queued_s)  # the worker measured the queue
-                if item.kv_transfer_params is not None:
-                    self.kv_transfer_params = item.kv_transfer_params
-                if item.error and not choice.state.token_ids:
-                    await self.events.put((choice, _engine_error(item.error, item.error_code), 0, True))
-                    return
-                await self.events.put((choice, choice.feed(item), 0, True))
-                return
-            if self.req.score_only:  # max_tokens 0: keep the prompt scores, leave the sampled token out
-                choice.feed(TokenDelta(item.request_id, [], None, None, item.prompt))
-                continue
-            if item.token_ids:
-                if choice.state.token_ids:
-                    timer.tokens(len(item.token_ids))
-                else:
-                    timer.first_token(n=len(item.token_ids))
-                text = choice.feed(item)
-                await self.events.put((choice, text, len(item.token_ids), choice.stopped))
-                if choice.stopped:  # a stop string ended it (finish_reason is set); the finally aborts
-                    return
+    def _finish_reason(self, choice: ChoiceStream) -> str | None:
+        reason = choice.state.finish_reason
+        message = self.messages.get(choice.state.index)
+        if self.chat and reason == "stop" and message is not None and message.get("tool_calls"):
+            return "tool_calls"
+        return reason
 
-    async def _events(self):
-        """Yield (choice, text or error, new tokens, last) until every choice has sent its last
-        event. `last` is decided when the event is queued: a choice's state runs ahead of the
-        queue (its Finished can be folded in before an earlier delta is read), so reading
-        `finish_reason` at the consumer counted one choice as ended twice and cut another short."""
-        self._start()
-        remaining = len(self.choices)
-        deadline = self.state.request_timeout_s
-        try:
-            async with asyncio.timeout(deadline):
-                while remaining:
-                    choice, payload, n, last = await self.events.get()
-                    remaining -= last
-                    yield choice, payload, n, last
-        except TimeoutError:
-            self.disconnected = False
-            for choice in self.choices:
-                if choice.state.finish_reason is None:
-                    text = choice.finish("abort")
-                    yield choice, text, 0, True
-        finally:
-            for task in self.tasks:
-                task.cancel()
-            await asyncio.gather(*self.tasks, return_exceptions=True)
-
-    # ---- responses -----------------------------------------------------------------------------
+    # ---- whole ---------------------------------------------------------------------------------------
     async def complete(self) -> web.Response:
-        async with aclosing(self._events()) as events:  # leaving early cancels every choice at once
-            async for choice, payload, _, _ in events:
-                if isinstance(payload, ProtocolError):
-                    raise payload
-                if choice.state.finish_reason == "error" and choice.state.error:  # failed after some tokens
-                    raise _engine_error(choice.state.error, choice.state.error_code)
-        choices = [self._final_choice(c) for c in self.choices]
+        async with aclosing(self.gen.events()) as events:  # leaving early cancels every choice at once
+            async for event in events:
+                if event.error is not None:
+                    raise event.error
+                choice = event.choice
+                if event.last and choice.state.finish_reason == "error" and choice.state.error:  # after some tokens
+                    raise engine_error(choice.state.error, choice.state.error_code)
+                if self.chat:
+                    self._chat_events(event)
+        choices = [self._final_choice(c) for c in self.gen.choices]
         body = {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.req.model, "choices": choices, "usage": self._usage()}
-        if self.kv_transfer_params is not None:  # PD leg 1: what the proxy hands to the decode server
+        if self.gen.kv_transfer_params is not None:  # PD leg 1: what the proxy hands to the decode server
             from engine.kv_transfer.protocol import params_to_json
 
-            body["kv_transfer_params"] = params_to_json(self.kv_transfer_params)
+            body["kv_transfer_params"] = params_to_json(self.gen.kv_transfer_params)
         return web.json_response(body)
 
+    def _chat_events(self, event: ChoiceEvent) -> list:
+        """The choice's output events for this engine event (its final message kept)."""
+        out = self.outputs[event.choice.state.index]
+        events = out.feed(event.text)
+        if event.last:
+            events += out.finish()
+            self.messages[event.choice.state.index] = events[-1].message
+        return events
+
+    def _final_choice(self, choice: ChoiceStream) -> dict:
+        st = choice.state
+        lp = self._logprobs(choice, 0) if self.req.logprobs is not None else None
+        if self.chat:
+            return {"index": st.index, "message": openai_message(self.messages[st.index]), "logprobs": lp,
+                    "finish_reason": self._finish_reason(choice)}
+        text = st.text
+        prompt = self.gen.prompt_of(choice)
+        if self.req.echo:
+            text = self.state.tokenizer.decode(prompt) + text
+            if lp is not None and st.prompt is not None:
+                lp = _echo_logprobs(self.state.tokenizer, prompt, st.prompt, self.req.logprobs, lp)
+        body = {"index": st.index, "text": text, "logprobs": lp, "finish_reason": st.finish_reason}
+        if self.req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = _vllm_prompt_logprobs(self.state.tokenizer, prompt, st.prompt,
+                                                            self.req.prompt_logprobs)
+        return body
+
+    # ---- streamed ------------------------------------------------------------------------------------
     async def stream(self, request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no"})
         await resp.prepare(request)
         if self.chat:
-            for c in self.choices:
+            for c in self.gen.choices:
                 await self._send(resp, self._chunk(c, {"role": "assistant", "content": ""}, None))
         try:
-            async with aclosing(self._events()) as events:
-                async for choice, payload, _, last in events:
-                    if isinstance(payload, ProtocolError):  # after the 200: one error event, then [DONE]
-                        await self._send(resp, payload.body())
+            async with aclosing(self.gen.events()) as events:
+                async for event in events:
+                    if event.error is not None:  # after the 200: one error event, then [DONE]
+                        await self._send(resp, event.error.body())
                         return await self._end(resp)
-                    await self._send_delta(resp, choice, payload, last)
-                    if last and choice.state.finish_reason == "error" and choice.state.error:  # after some tokens
-                        await self._send(resp, _engine_error(choice.state.error, choice.state.error_code).body())
+                    await self._send_event(resp, event)
+                    choice = event.choice
+                    if event.last and choice.state.finish_reason == "error" and choice.state.error:  # after some tokens
+                        await self._send(resp, engine_error(choice.state.error, choice.state.error_code).body())
         except ConnectionResetError:  # the client went away mid-write: one line, and its requests abort
             logger.info("stream %s: client disconnected", self.id)
             return resp
@@ -289,47 +284,37 @@ class _Run:
     async def _send(self, resp: web.StreamResponse, obj: dict) -> None:
         await resp.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
 
-    async def _send_delta(self, resp, choice: ChoiceStream, text: str, last: bool) -> None:
-        """One chunk for a choice's event; its finish_reason goes out once, with its last event."""
-        st = choice.state
-        finish = st.finish_reason if last else None
-        new_tokens = st.token_ids[getattr(choice, "sent_tokens", 0):]
-        lp = self._logprobs(choice, getattr(choice, "sent_tokens", 0)) if self.req.logprobs is not None else None
-        choice.sent_tokens = len(st.token_ids)
-        if not text and not new_tokens and finish is None:
-            return
+    async def _send_event(self, resp, event: ChoiceEvent) -> None:
+        """The chunks of one engine event: chat deltas (reasoning, content, tool-call pieces), or
+        completions text; the new tokens' logprobs ride on the first, the finish_reason on the
+        last, once."""
+        choice, st = event.choice, event.choice.state
+        start = self.sent_tokens.get(st.index, 0)
+        lp = self._logprobs(choice, start) if self.req.logprobs is not None else None
+        new_tokens = len(st.token_ids) - start
+        self.sent_tokens[st.index] = len(st.token_ids)
         if self.chat:
-            delta = {"content": text} if text or finish is None else {}
-            chunk = self._chunk(choice, delta, finish, lp)
+            deltas = [chat_delta(e) for e in self._chat_events(event)]
+            deltas = [d for d in deltas if d]
         else:
-            body = {"index": st.index, "text": text, "logprobs": lp, "finish_reason": finish}
-            chunk = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.req.model,
-                     "choices": [body]}
-        if self.req.continuous_usage:  # running totals, so clients can count tokens per chunk exactly
-            chunk["usage"] = self._usage()
-        await self._send(resp, chunk)
+            deltas = [event.text] if event.text else []
+        finish = self._finish_reason(choice) if event.last else None
+        if not deltas and (new_tokens or finish is not None):
+            deltas = [{} if self.chat else ""]  # the logprobs or the finish_reason still go out
+        for i, delta in enumerate(deltas):
+            last = i == len(deltas) - 1
+            chunk = self._chunk(choice, delta, finish if last else None, lp if i == 0 else None)
+            if self.req.continuous_usage:  # running totals, so clients can count tokens per chunk exactly
+                chunk["usage"] = self._usage()
+            await self._send(resp, chunk)
 
-    def _chunk(self, choice: ChoiceStream, delta: dict, finish: str | None, lp: Any = None) -> dict:
+    def _chunk(self, choice: ChoiceStream, delta: dict | str, finish: str | None, lp: Any = None) -> dict:
+        if not self.chat:
+            body = {"index": choice.state.index, "text": delta, "logprobs": lp, "finish_reason": finish}
+            return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.req.model,
+                    "choices": [body]}
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.req.model,
                 "choices": [{"index": choice.state.index, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
-
-    def _final_choice(self, choice: ChoiceStream) -> dict:
-        st = choice.state
-        lp = self._logprobs(choice, 0) if self.req.logprobs is not None else None
-        if self.chat:
-            return {"index": st.index, "message": {"role": "assistant", "content": st.text}, "logprobs": lp,
-                    "finish_reason": st.finish_reason}
-        text = st.text
-        prompt = self.prompts[st.index // self.req.n]
-        if self.req.echo:
-            text = self.state.tokenizer.decode(prompt) + text
-            if lp is not None and st.prompt is not None:
-                lp = _echo_logprobs(self.state.tokenizer, prompt, st.prompt, self.req.logprobs, lp)
-        body = {"index": st.index, "text": text, "logprobs": lp, "finish_reason": st.finish_reason}
-        if self.req.prompt_logprobs is not None:
-            body["prompt_logprobs"] = _vllm_prompt_logprobs(self.state.tokenizer, prompt, st.prompt,
-                                                            self.req.prompt_logprobs)
-        return body
 
     def _logprobs(self, choice: ChoiceStream, start: int) -> dict:
         st, tok = choice.state, self.state.tokenizer
@@ -351,10 +336,30 @@ class _Run:
                 "top_logprobs": [{tok.decode([t], skip_special_tokens=False): v for t, v in top} for top in tops],
                 "text_offset": offsets}
 
-    def _usage(self) -> dict:
-        prompt = sum(len(self.prompts[i // self.req.n]) for i in range(len(self.choices)) if i % self.req.n == 0)
-        completion = sum(len(c.state.token_ids) for c in self.choices)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+def openai_message(message: dict) -> dict:
+    """A chat message in OpenAI's shape: content (None when only tools were called), the
+    reasoning (`reasoning_content`, and vLLM's newer `reasoning` alias), the tool calls."""
+    out = {"role": "assistant", "content": message.get("content") or (None if message.get("tool_calls") else ""),
+           "reasoning_content": message.get("reasoning_content"), "reasoning": message.get("reasoning_content")}
+    calls = message.get("tool_calls") or []
+    if calls:
+        out["tool_calls"] = [{"id": c["id"], "type": "function", "function": c["function"]} for c in calls]
+    return out
+
+
+def chat_delta(event) -> dict | None:
+    """One output event as a chat-completion chunk's delta."""
+    if isinstance(event, ReasoningDelta):
+        return {"reasoning_content": event.text, "reasoning": event.text} if event.text else None
+    if isinstance(event, ContentDelta):
+        return {"content": event.text} if event.text else None
+    if isinstance(event, ToolCallStart):
+        return {"tool_calls": [{"index": event.index, "id": event.id, "type": "function",
+                                "function": {"name": event.name, "arguments": ""}}]}
+    if isinstance(event, ToolCallArgumentsDelta):
+        return {"tool_calls": [{"index": event.index, "function": {"arguments": event.arguments}}]}
+    return None  # MessageDone: its message is the response's, not a delta
 
 
 def _echo_logprobs(tok, prompt: list[int], scores: PromptLogprobs, top_n: int, completion: dict) -> dict:

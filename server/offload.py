@@ -103,6 +103,11 @@ _LIBC = _load_libc()
 
 # ---- what the handlers call ---------------------------------------------------------------------
 
+async def run(fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` on the pool (e.g. rendering a long conversation in a chat format)."""
+    return await _get_pool().run(fn, *args)
+
+
 async def encode(tok: Tokenizer, text: str, add_bos: bool = True) -> list[int]:
     """`tok.encode(text, add_bos)`, off the loop when the text is large."""
     if len(text) < INLINE_CHARS:

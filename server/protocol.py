@@ -15,6 +15,7 @@ from msgspec.structs import replace
 from ipc.codec import InvalidField, check
 from ipc.messages import SamplingParams
 
+from .chat_request import ChatRequest, parse_chat_request
 from .errors import ProtocolError
 from .structured import StructuredLimits, parse_structured
 
@@ -39,8 +40,8 @@ class GenerationRequest:
     """What both endpoints reduce to."""
 
     model: str
-    prompts: list[str | list[int]]  # completions: text or token ids; chat: one rendered conversation
-    messages: list[dict] | None  # chat only
+    prompts: list[str | list[int]]  # completions: text or token ids (chat: empty; the renderer makes the prompt)
+    chat: ChatRequest | None  # chat only: messages, tools, tool choice, reasoning switches
     params: SamplingParams
     n: int
     stream: bool
@@ -267,15 +268,7 @@ def parse_completion(body: Any, limits: Limits, served: list[str]) -> Generation
 def parse_chat(body: Any, limits: Limits, served: list[str]) -> GenerationRequest:
     body = _require_object(body)
     model = _model(body, served)
-    for key in ("chat_template", "chat_template_kwargs"):
-        if body.get(key) is not None:
-            raise ProtocolError(f"'{key}' from the request is refused: the server uses the model's own template",
-                                key, "template_not_allowed")
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ProtocolError("'messages' must be a non-empty array", "messages", "invalid_value")
-    if body.get("tools") or body.get("tool_choice") not in (None, "none"):
-        raise ProtocolError("tool calling is not supported", "tools", "unsupported")
+    chat = parse_chat_request(body)
     if body.get("prompt_logprobs") is not None:
         raise ProtocolError("'prompt_logprobs' is supported on /v1/completions only", "prompt_logprobs",
                             "unsupported")
@@ -288,6 +281,6 @@ def parse_chat(body: Any, limits: Limits, served: list[str]) -> GenerationReques
     stream, include, continuous = _stream_opts(body)
     params = _common(body, limits, "max_completion_tokens", logprobs, n)
     given = body.get("max_completion_tokens") is not None or body.get("max_tokens") is not None
-    return GenerationRequest(model, [], messages, params, n, stream, include, _stop(body, limits), logprobs=logprobs,
+    return GenerationRequest(model, [], chat, params, n, stream, include, _stop(body, limits), logprobs=logprobs,
                              user=_user(body, limits), max_tokens_given=given, continuous_usage=continuous,
                              kv_transfer_params=_kv_transfer_params(body, 1, n, stream))

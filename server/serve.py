@@ -25,6 +25,7 @@ from .http import Runner
 from .metrics import Metrics
 from .pd import add_kv_routes, add_pd_args, check_pd_listeners, kv_transfer_config_from
 from .protocol import Limits
+from .chat_render import TOKENIZER_MODES, ChatRenderer, resolve_mode
 from .state import AppState
 from .structured import GrammarChecker, StructuredLimits
 from .systemd import WatchdogFeeder
@@ -44,6 +45,15 @@ def add_serve_parser(sub: argparse._SubParsersAction, add_engine_args) -> None:
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
     p.add_argument("--request-timeout", type=float, default=600.0, help="per-request deadline in seconds")
     p.add_argument("--max-request-bytes", type=int, default=Limits.max_body_bytes)
+    p.add_argument("--tokenizer-mode", default="auto", choices=TOKENIZER_MODES,
+                   help="chat format: DeepSeek's own encoding (deepseek_v4 / deepseek_v41: thinking, tools, DSML "
+                        "tool calls) or the tokenizer's Jinja template (hf); auto: DeepSeek's for DeepSeek checkpoints")
+    p.add_argument("--reasoning-parser", default=None, choices=["deepseek_v4", "deepseek_v41"],
+                   help="accepted as vLLM spells it: the chat format's own reader always parses reasoning")
+    p.add_argument("--tool-call-parser", default=None, choices=["deepseek_v4", "deepseek_v41"],
+                   help="accepted as vLLM spells it: the chat format's own reader always parses tool calls")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted as vLLM spells it: tool_choice auto is always served with DeepSeek's format")
     p.add_argument("--structured-outputs-compile-timeout", type=float, default=StructuredLimits.compile_timeout_s,
                    help="seconds a new grammar (JSON Schema, regex, EBNF, ...) may take to compile before the request "
                         "is refused with a 400")
@@ -126,6 +136,18 @@ async def serve_headless(args: argparse.Namespace) -> int:
     return code
 
 
+def chat_family(args: argparse.Namespace, model_cfg) -> str:
+    """The chat format --tokenizer-mode picks for this checkpoint; vLLM's parser flags, when
+    given, must name the same format."""
+    family = resolve_mode(args.tokenizer_mode, {"v4": "deepseek_v4", "v41": "deepseek_v41"}.get(model_cfg.arch, ""))
+    for flag in ("reasoning_parser", "tool_call_parser"):
+        value = getattr(args, flag)
+        if value is not None and value != family:
+            raise SystemExit(f"--{flag.replace('_', '-')} {value} does not match the chat format {family} "
+                             f"(--tokenizer-mode {args.tokenizer_mode})")
+    return family
+
+
 async def serve(args: argparse.Namespace) -> int:
     from engine.config import ModelConfig
     from server.builtin import builtin_model_dir
@@ -143,6 +165,7 @@ async def serve(args: argparse.Namespace) -> int:
                           f"(--data-parallel-address {parallel.data_parallel_address})")
     model_cfg = ModelConfig.from_model_dir(model_dir)
     tokenizer = Tokenizer.from_dir(model_dir)
+    renderer = ChatRenderer(chat_family(args, model_cfg), tokenizer)
     config = replace(engine_config_from(args), kv_transfer=kv_transfer).resolved()
     name = args.served_model_name or (model_dir.name if args.model_dir else "ringserve-builtin")
     client = EngineClient(model_dir, config, device=args.device, threads_per_worker=args.threads_per_worker,
@@ -163,7 +186,7 @@ async def serve(args: argparse.Namespace) -> int:
                      max_queued_requests=args.max_queued_requests, request_timeout_s=args.request_timeout,
                      body_timeout_s=args.body_timeout, metrics=Metrics(name),
                      grammar_checker=GrammarChecker(model_dir, model_cfg.vocab_size, list(model_cfg.eos_token_ids),
-                                                    structured))
+                                                    structured), renderer=renderer)
     app = make_app(state)
     if config.kv_transfer is not None:
         add_kv_routes(app, client)

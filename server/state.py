@@ -48,6 +48,7 @@ class AppState:
     version: str = "0.1.0"
     metrics: object | None = None
     grammar_checker: object | None = None  # server/structured.py GrammarChecker (None: specs go unchecked)
+    renderer: object | None = None  # server/chat_render.py ChatRenderer (the model family's chat format)
     ready: bool = False
     draining: bool = False
     started_at: float = field(default_factory=time.time)
@@ -74,6 +75,12 @@ class AppState:
             yield
         finally:
             self.in_flight -= n
+
+    def __post_init__(self) -> None:
+        if self.renderer is None:  # stand-ins in tests: the tokenizer's own chat template
+            from .chat_render import ChatRenderer
+
+            self.renderer = ChatRenderer("hf", self.tokenizer)
 
     def metrics_timer(self):
         return self.metrics.request_timer() if self.metrics is not None else _NullTimer()

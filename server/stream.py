@@ -29,12 +29,14 @@ class ChoiceState:
     error: str | None = None  # why the engine failed or refused the request
     error_code: int = 0
     prompt: PromptLogprobs | None = None  # prompt scores, when the request asked for them
+    cached_tokens: int = 0  # prompt tokens the prefix cache supplied (from the Finished)
 
 
 class ChoiceStream:
-    def __init__(self, index: int, tokenizer: Tokenizer | None, stop: list[str] | None = None):
+    def __init__(self, index: int, tokenizer: Tokenizer | None, stop: list[str] | None = None,
+                 skip_special_tokens: bool = True):
         self.state = ChoiceState(index)
-        self.detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens) if tokenizer is not None else None
         self.stop = stop or []
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.pending = ""  # decoded, not yet emitted
@@ -44,6 +46,7 @@ class ChoiceStream:
         """Fold one item of the request's stream; returns the text that can be emitted now."""
         if isinstance(item, Finished):
             self.state.completion_tokens = item.completion_tokens
+            self.state.cached_tokens = item.cached_tokens
             self.state.error, self.state.error_code = item.error, item.error_code
             return self.finish(item.reason)
         if item.prompt is not None:

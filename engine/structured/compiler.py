@@ -53,6 +53,16 @@ def structural_tag_of(spec: str):
     return ("tag", spec, None)
 
 
+def tool_call_tag(spec: str):
+    """xgrammar's built-in structural tag for a model's tool-call markup (DeepSeek's DSML): the
+    reasoning section first when the output starts in it, then the calls a tool choice forces."""
+    import xgrammar as xgr
+
+    t = json.loads(spec)
+    return xgr.get_builtin_structural_tag(t["model"], tools=t["tools"], tool_choice=t["tool_choice"],
+                                          reasoning=t["reasoning"], parallel_tool_calls=t["parallel_tool_calls"])
+
+
 def is_json(spec: StructuredOutput) -> bool:
     """Grammars whose output is JSON text (compiled against a vocabulary without raw control
     characters: engine/structured/vocab.py)."""
@@ -86,6 +96,8 @@ def compile_spec(compiler, spec: StructuredOutput):
             return compiler.compile_grammar(choice_ebnf(json.loads(spec.spec)))
         if spec.kind == "grammar":
             return compiler.compile_grammar(spec.spec)
+        if spec.kind == "tool_calls":
+            return compiler.compile_structural_tag(tool_call_tag(spec.spec))
         form, tag, triggers = structural_tag_of(spec.spec)
         if form == "legacy":
             return compiler.compile_structural_tag(tag, triggers)
