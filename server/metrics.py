@@ -48,6 +48,7 @@ from typing import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
+from prometheus_client.metrics_core import Metric
 
 from .channel_guard import REGISTRY as CHANNEL_REGISTRY
 
@@ -87,6 +88,22 @@ def _label(value: str) -> str:
     return v if _LABEL_RE.match(v) else "other"
 
 
+class _ChannelCounters:
+    """The internal channels' counters (server/channel_guard.py: dropped messages, refused and
+    closed connections), collected into a server's registry with its model_name like every other
+    series. They count for the whole process."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+
+    def collect(self):
+        for family in CHANNEL_REGISTRY.collect():
+            out = Metric(family.name, family.documentation, family.type)
+            for s in family.samples:
+                out.add_sample(s.name, {**s.labels, "model_name": self.model_name}, s.value, s.timestamp)
+            yield out
+
+
 class Metrics:
     """All ringserve metrics in a dedicated registry.
 
@@ -100,6 +117,7 @@ class Metrics:
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_ChannelCounters(model_name))
         r, ln = self.registry, ["model_name"]
 
         def gauge(name: str, doc: str) -> Gauge:
@@ -272,11 +290,9 @@ class Metrics:
         while prometheus_client 0.26's OpenMetrics encoder (what Prometheus 2.x asks for first)
         rewrites ``ringserve:`` to ``ringserve_`` in sample lines but not in ``# TYPE`` lines.
         Counters and histograms also export ``*_created`` series unless the process runs with
-        ``PROMETHEUS_DISABLE_CREATED_SERIES=true`` (a prometheus_client switch). The internal
-        channels' counters (server/channel_guard.py: dropped messages, refused and closed
-        connections) follow; they are per process, not per model.
+        ``PROMETHEUS_DISABLE_CREATED_SERIES=true`` (a prometheus_client switch).
         """
-        return generate_latest(self.registry) + generate_latest(CHANNEL_REGISTRY), CONTENT_TYPE
+        return generate_latest(self.registry), CONTENT_TYPE
 
 
 class RequestTimer:

@@ -5,7 +5,6 @@ stopped in the middle of the rendezvous. Each finding as it was reported, now re
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -51,12 +50,16 @@ def _serves_both_ranks(url: str) -> list[str]:
 
 
 def _metric(head: Server, name: str, **labels: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
     req = urllib.request.Request(head.url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"})
     with urllib.request.urlopen(req, timeout=10) as r:
         text = r.read().decode()
-    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-    m = re.search(rf"^{re.escape(name)}\{{{re.escape(want)}\}} (\S+)$", text, re.M)
-    return float(m.group(1)) if m else 0.0
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    return 0.0
 
 
 def _rss_mib(pid: int) -> float:

@@ -157,3 +157,19 @@ def test_the_side_channel_drops_bad_requests_and_serves_only_holders_of_the_key(
     finally:
         server.close()
         ctx.destroy(linger=0)
+
+
+def test_the_drops_are_on_metrics_with_the_servers_model_name():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from server.channel_guard import DropLog
+    from server.metrics import Metrics
+
+    before = _dropped("node-channel", "frames")
+    DropLog("node-channel").drop(b"peer", "frames", "3 frames")
+    body, _ = Metrics("tiny").render()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(body.decode()) for s in f.samples}
+    key = ("ringserve:internal_messages_dropped_total",
+           (("channel", "node-channel"), ("model_name", "tiny"), ("reason", "frames")))
+    assert samples[key] == before + 1
