@@ -19,6 +19,10 @@ kernels on CPU), per layer:
            numba calls around one SwiGLU over the routed and shared rows)            4
 The per-step slot tables are built once (engine/step_meta.py). Projections sharing an input are
 packed into one GEMM (engine/packed_linear.py) when their formats allow it.
+
+On CPU a static shape the compiled step covers (kernels/cpu_step_plan.py: fp32, raw KV pools,
+up to 16 rows) runs as one jitted call instead (kernels/cpu_step.py: the same kernels from
+inside numba, embedding to logits), the CPU's analogue of replaying a captured graph.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch
 
 import kernels
 from kernels.cpu_moe_decode import DecodeMoE
+from kernels.cpu_step_plan import StepProgram
 
 from .decode_batch import DecodeBatch
 from .layers import rms_norm
@@ -73,6 +78,9 @@ class FusedDecoder:
     # Decode-sized CPU MoE layers through kernels/cpu_moe_decode.py (False: op by op; the bench's
     # baseline, same bits)
     cpu_moe = True
+    # CPU static shapes as one compiled call (kernels/cpu_step.py; False: op by op, the bench's
+    # baseline)
+    cpu_step = True
 
     def __init__(self, model):
         self.model = model
@@ -83,12 +91,17 @@ class FusedDecoder:
                        for b in blocks]
         self.spans = compressor_spans(cfg, range(cfg.num_layers))
         self._moe_kernels: dict[int, tuple[list, DecodeMoE | None]] = {}
+        self._programs: dict[int, tuple[DecodeBatch, StepProgram | None]] = {}  # id(batch) → its program
+        self._rope: tuple | None = None  # RoPE tables [P, r/2] (main cos, sin, compress cos, sin)
         # Test/bench hook: called with the layer index before each layer, None after the last.
         self.on_layer = None
 
     # ---- entry points ----------------------------------------------------------------------------
     def forward(self, batch: DecodeBatch) -> torch.Tensor:
         """DeepseekV4.forward(batch.token_ids, batch.positions, batch): final streams [T, n, D]."""
+        program = self.program(batch)
+        if program is not None:
+            return program.run()[0]
         model = self.model
         meta = StepMeta.build(batch, model.cfg, model.rope_compress, self.spans)
         rope = model.step_rope(batch.positions)
@@ -100,6 +113,36 @@ class FusedDecoder:
         if self.on_layer is not None:
             self.on_layer(None)
         return streams
+
+    def forward_logits(self, batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(final streams [T, n, D], logits [T, vocab] fp32): forward, then DeepseekV4.logits; one
+        call where the compiled CPU step covers the shape."""
+        program = self.program(batch)
+        if program is not None:
+            return program.run()
+        streams = self.forward(batch)
+        return streams, self.model.logits(streams)
+
+    def program(self, batch: DecodeBatch) -> StepProgram | None:
+        """The compiled CPU step of batch's shape (built on first use, rebuilt when a weight or
+        pool it views was replaced), or None: the op path runs."""
+        if not (self.cpu_step and self.on_layer is None and batch.token_ids.is_cpu):
+            return None
+        cached = self._programs.get(id(batch))
+        if cached is not None and cached[0] is batch and (cached[1] is None or cached[1].valid()):
+            return cached[1]
+        program = StepProgram.build(self, batch, self._rope_tables)
+        self._programs[id(batch)] = (batch, program)
+        return program
+
+    def _rope_tables(self, length: int) -> tuple[torch.Tensor, ...]:
+        """cos/sin of the main and the compress RoPE for positions [0, length), fp32 [length, r/2]
+        each: the RotaryTables' own values (an element does not depend on the positions computed
+        with it), grown as longer contexts come."""
+        if self._rope is None or self._rope[0].shape[0] < length:
+            positions = torch.arange(length)
+            self._rope = (*self.model.rope_main(positions), *self.model.rope_compress(positions))
+        return tuple(t[:length] for t in self._rope)
 
     def forward_mtp(self, inputs: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
         """MTPLayer.forward(model, inputs, batch.token_ids, batch.positions, batch)."""

@@ -345,7 +345,8 @@ def _check(q: torch.Tensor, sink: torch.Tensor, window_slots: torch.Tensor, entr
     check_sparse_mla_decode(q, sink, window_slots, entry_slots, new_kv)
 
 
-def _split(rows: int, heads: int, threads: int) -> tuple[int, int]:
+@njit(cache=True)
+def _split(rows, heads, threads):
     """(head groups per row, chunks of tasks) for the parallel kernel: enough tasks for every
     thread, heads split only when there are fewer rows than threads."""
     groups = min(heads, -(-threads // rows)) if rows < threads else 1

@@ -17,43 +17,54 @@ from kernels.reference import router_scores
 _F32 = np.float32
 
 
+@njit(cache=True)
+def select_topk_row(scores, bias, top_k, ids):
+    """ids [k] = the top_k experts of scores [E] + bias, key descending, ties to the lower id."""
+    keys = np.empty(top_k, dtype=np.float32)
+    count = 0
+    for e in range(scores.shape[0]):
+        key = scores[e] + bias[e]
+        if key != key:
+            key = _F32(-np.inf)
+        if count == top_k:
+            if not key > keys[top_k - 1]:
+                continue
+            p = top_k - 1
+        else:
+            p = count
+            count += 1
+        while p > 0 and keys[p - 1] < key:      # equal keys stay ahead: lower id wins
+            keys[p] = keys[p - 1]
+            ids[p] = ids[p - 1]
+            p -= 1
+        keys[p] = key
+        ids[p] = e
+
+
 @njit(parallel=True, cache=True)
 def _select_topk(scores, bias, top_k, ids):
-    """ids[t] = the top_k experts of scores[t] + bias, key descending, ties to the lower id."""
-    num_tokens, num_experts = scores.shape
-    for t in prange(num_tokens):
-        keys = np.empty(top_k, dtype=np.float32)
-        count = 0
-        for e in range(num_experts):
-            key = scores[t, e] + bias[e]
-            if key != key:
-                key = _F32(-np.inf)
-            if count == top_k:
-                if not key > keys[top_k - 1]:
-                    continue
-                p = top_k - 1
-            else:
-                p = count
-                count += 1
-            while p > 0 and keys[p - 1] < key:      # equal keys stay ahead: lower id wins
-                keys[p] = keys[p - 1]
-                ids[t, p] = ids[t, p - 1]
-                p -= 1
-            keys[p] = key
-            ids[t, p] = e
+    """ids[t] = the top_k experts of scores[t] + bias (select_topk_row per token)."""
+    for t in prange(scores.shape[0]):
+        select_topk_row(scores[t], bias, top_k, ids[t])
+
+
+@njit(cache=True)
+def normalise_row(scores, ids, scaling, weights):
+    """weights[j] = s[ids[j]] / (sum_j s + 1e-20) * scaling for one token, summed left to right."""
+    top_k = ids.shape[0]
+    denom = scores[ids[0]]
+    for j in range(1, top_k):
+        denom = denom + scores[ids[j]]
+    denom = denom + _F32(1e-20)
+    for j in range(top_k):
+        weights[j] = scores[ids[j]] / denom * scaling
 
 
 @njit(parallel=True, cache=True)
 def _normalise(scores, ids, scaling, weights):
-    """weights[t, j] = s[t, ids[t, j]] / (sum_j s + 1e-20) * scaling, summed left to right."""
-    top_k = ids.shape[1]
+    """normalise_row per token."""
     for t in prange(ids.shape[0]):
-        denom = scores[t, ids[t, 0]]
-        for j in range(1, top_k):
-            denom = denom + scores[t, ids[t, j]]
-        denom = denom + _F32(1e-20)
-        for j in range(top_k):
-            weights[t, j] = scores[t, ids[t, j]] / denom * scaling
+        normalise_row(scores[t], ids[t], scaling, weights[t])
 
 
 @njit(cache=True)

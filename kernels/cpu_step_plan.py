@@ -1,0 +1,357 @@
+"""The program of one static shape for the compiled CPU decode step (kernels/cpu_step.py).
+
+`StepProgram.build(decoder, batch)` walks the model once, as engine/fused_decode.py's forward
+would, and records what every layer reads: numpy views of the weights (the prepared FP8 / FP4
+codes and scales of kernels/cpu_prepared_gemm.py, dense fp32 matrices), of the KV pools, of the
+RoPE tables and of the `DecodeBatch`'s fields, with the sizes and flags the kernels take. A step
+is then one call, `run()`, like a CUDA graph's replay: the batch's contents change, no address
+does.
+
+What it covers (anything else returns None from `build`, and the op path runs): a CPU model in
+fp32 with every KV pool raw fp32 (`--kv-dtype auto`), B·q ≤ MAX_ROWS rows, weights dense fp32 or
+FP8 / FP4 with byte scales (ue8m0), a MoE holding every expert on this rank.
+
+A weight or pool replaced after the build (a reload, a re-layout) is caught before each run by
+identity checks on the parameters and pool tensors; the program is then rebuilt. In-place updates
+need nothing: the views alias the storage.
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+from numba.typed import List
+
+from kernels import cpu_quant_gemm as q
+from kernels import cpu_step_layout as L
+from kernels.cpu_step import run_step
+from kernels.cpu_step_linear import COLUMNS, DENSE, DENSE_T, FP4, FP8
+from kernels.cpu_step_math import CHUNK, SOFTPLUS_CHUNK
+from kernels.cpu_torch_sum import LANES
+
+# Rows (B·q) the program serves: the row kernels' FP8 product reuses each decoded weight for four
+# rows and stays ahead of tile decode + sgemm to about 16 rows (kernels/cpu_quant_gemm.py).
+MAX_ROWS = 16
+# A product runs its parallel kernel (with more than one numba thread) from this many weight
+# bytes read per call; below it a parallel launch (~3 µs at one thread, more when a core is
+# busy) costs more than the split saves.
+PARALLEL_BYTES = 384 << 10
+_KINDS = {"dense": DENSE, "fp8": FP8, "fp4": FP4}
+_X_MEMBERS = {"q_lora": (L.Q_LORA_P, L.Q_LORA_C), "kv": (L.KV_P, L.KV_C), "comp_c": (L.COMP_C_P, L.COMP_C_C),
+              "comp_z": (L.COMP_Z_P, L.COMP_Z_C), "idx_c": (L.IDX_C_P, L.IDX_C_C), "idx_z": (L.IDX_Z_P, L.IDX_Z_C),
+              "idx_w": (L.IDX_W_P, L.IDX_W_C)}
+
+
+class Unsupported(Exception):
+    """The shape or the model is outside what the compiled step covers."""
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    """A C-contiguous numpy view of a CPU tensor (fp8 / e8m0 / int8 as uint8); no copies."""
+    if not t.is_contiguous():
+        raise Unsupported(f"a non-contiguous {tuple(t.shape)} tensor")
+    t = t.detach()
+    if t.dtype in (torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.int8):
+        t = t.view(torch.uint8)
+    return t.numpy()
+
+
+class _Arrays:
+    """The typed lists a program reads, one per array type, and what must stay as it is."""
+
+    def __init__(self):
+        self.f1 = List.empty_list(numba.float32[::1])
+        self.f2 = List.empty_list(numba.float32[:, ::1])
+        self.f3 = List.empty_list(numba.float32[:, :, ::1])
+        self.u2 = List.empty_list(numba.uint8[:, ::1])
+        self.u3 = List.empty_list(numba.uint8[:, :, ::1])
+        self.i2 = List.empty_list(numba.int32[:, ::1])
+        self.keep: list = []                     # tensors the views alias (kept alive)
+        self.watch: list[tuple[dict, str, object]] = []   # (holder, key, object) checked before each run
+
+    def add(self, kind: str, t: torch.Tensor | np.ndarray, dtype=np.float32) -> int:
+        arr = t if isinstance(t, np.ndarray) else _np(t)
+        if arr.dtype != dtype:
+            raise Unsupported(f"a {arr.dtype} array where {np.dtype(dtype)} is needed")
+        self.keep.append(t)
+        lst = getattr(self, kind)
+        lst.append(arr)
+        return len(lst) - 1
+
+    def watch_param(self, module: torch.nn.Module, name: str) -> None:
+        self.watch.append((module._parameters, name, module._parameters[name]))
+
+    def unchanged(self) -> bool:
+        return all(holder.get(key) is obj for holder, key, obj in self.watch)
+
+
+class StepProgram:
+    """One static shape's compiled decode step over its `DecodeBatch`."""
+
+    def __init__(self):
+        self.arrays = _Arrays()
+        self.lin: list[list[int]] = []
+        self.grp: list[list[int]] = []
+
+    # ---- building ------------------------------------------------------------------------------
+    @classmethod
+    def build(cls, decoder, batch, rope_tables) -> "StepProgram | None":
+        """The program of `batch`'s shape, or None where the compiled step does not apply.
+        rope_tables(positions) -> (main cos, main sin, compress cos, compress sin) fp32 [P, r/2]."""
+        try:
+            return cls()._build(decoder, batch, rope_tables)
+        except Unsupported:
+            return None
+
+    def _build(self, decoder, batch, rope_tables) -> "StepProgram":
+        model, cfg = decoder.model, decoder.model.cfg
+        b, qn = batch.num_seqs, batch.tokens_per_seq
+        if b * qn > MAX_ROWS or model.embed.dtype != torch.float32 or not model.embed.is_cpu:
+            raise Unsupported("rows or dtype")
+        arrays = self.arrays
+        self.rows, self.hc, self.hidden = b * qn, cfg.hc_mult, cfg.hidden_size
+        layers = list(model.layers)
+        ratios = sorted({cfg.compress_ratios[i] for i in range(len(layers)) if cfg.compress_ratios[i]}) or [1]
+        spans: list[int] = []
+        visible = {m: 0 for m in ratios}
+        table, table_f = [], []
+        for index, block in enumerate(layers):
+            row, row_f = [-1] * L.LAYER_COLUMNS, [0.0] * L.LAYER_F_COLUMNS
+            self._block(row, row_f, block, cfg)
+            self._attention(row, row_f, decoder.attn_plans[index], batch, index, ratios, spans, visible)
+            self._moe(row, row_f, decoder, index, block.ffn, cfg)
+            table.append(row)
+            table_f.append(row_f)
+        self.layer = np.array(table, np.int64)
+        self.layer_f = np.array(table_f, np.float64)
+        self.step_ratios = np.array([[m, visible[m]] for m in ratios], np.int64)
+        self.step_spans = np.array(spans or [1], np.int64)
+        self._step(model, cfg, batch, rope_tables)
+        self.lin_table = np.array(self.lin or [[0] * COLUMNS], np.int64)
+        self.grp_table = np.array(self.grp or [[0] * COLUMNS], np.int64)
+        # fields of the DecodeBatch buffer: views, so each fill is seen
+        self.batch = tuple(_np(t) for t in (batch.token_ids, batch.positions, batch.start, batch.full_table,
+                                            batch.sliding_table, batch.sliding_first))
+        self.streams = torch.empty(b * qn, cfg.hc_mult * cfg.hidden_size)      # [T, n·D]
+        self.logits = torch.empty(b * qn, cfg.vocab_size)                      # [T, V]
+        return self
+
+    def _block(self, row: list, row_f: list, block, cfg) -> None:
+        a = self.arrays
+        for (fn, base, scale, norm), site, weight in (((L.HC_A_FN, L.HC_A_BASE, L.HC_A_SCALE, L.ATTN_NORM),
+                                                       block.hc_attn, block.attn_norm),
+                                                      ((L.HC_F_FN, L.HC_F_BASE, L.HC_F_SCALE, L.FFN_NORM),
+                                                       block.hc_ffn, block.ffn_norm)):
+            row[fn], row[base], row[scale] = a.add("f2", site.fn), a.add("f1", site.base), a.add("f1", site.scale)
+            row[norm] = a.add("f1", weight)
+        row_f[L.EPS], row_f[L.HC_EPS] = cfg.rms_norm_eps, cfg.hc_eps
+
+    # ---- products --------------------------------------------------------------------------------
+    def _per(self, rows: int, weight_bytes: int) -> int:
+        """0 (this thread) or the parallel kernel's weight rows a task."""
+        if numba.get_num_threads() == 1 or weight_bytes < PARALLEL_BYTES:
+            return 0
+        return q._rows_per_task(rows)
+
+    def _linear(self, m) -> int:
+        """A lin row for Linear m (its format as stored); returns its index."""
+        a, kind = self.arrays, _KINDS[m.fmt.kind]
+        a.watch_param(m, "weight")
+        if kind == DENSE:
+            w = m.weight
+            if w.dtype != torch.float32:
+                raise Unsupported("a dense weight not in fp32")
+            desc = [kind, a.add("f2", w), -1, 1, 1, w.shape[0], w.shape[1], self._per(w.shape[0], w.numel() * 4)]
+        else:
+            a.watch_param(m, "scale")
+            p = m.cpu_prepared(m.weight, m.scale)
+            if p is None or p.grouped_weight or p.scales.dtype != np.uint8:
+                raise Unsupported("a weight not prepared with byte scales")
+            desc = [kind, a.add("u2", p.codes, np.uint8), a.add("u2", p.scales, np.uint8), p.block[0], p.block[1],
+                    p.n, p.k, self._per(p.n, p.codes.nbytes)]
+        self.lin.append(desc)
+        return len(self.lin) - 1
+
+    def _grouped(self, m, weight: torch.Tensor, scale: torch.Tensor | None, rows: int) -> int:
+        """A grp row for a stack [E, N, K] (experts, or wo_a's groups) of `rows` slots."""
+        a, kind = self.arrays, _KINDS[m.fmt.kind]
+        a.watch_param(m, "weight")
+        if kind == DENSE:
+            if weight.dtype != torch.float32:
+                raise Unsupported("a dense stack not in fp32")
+            e, n, k = weight.shape
+            if not weight.is_contiguous():                  # stored [E, K, N]-contiguous (relayout)
+                kind, weight = DENSE_T, weight.transpose(1, 2)
+            desc = [kind, a.add("f3", weight), -1, 1, 1, n, k, 0]
+        else:
+            a.watch_param(m, "scale")
+            p = m.cpu_prepared(weight, scale)
+            if p is None or not p.grouped_weight or p.scales.dtype != np.uint8:
+                raise Unsupported("a stack not prepared with byte scales")
+            e, n = p.codes.shape[0], p.n
+            active = min(rows, e)
+            desc = [kind, a.add("u3", p.codes, np.uint8), a.add("u3", p.scales, np.uint8), p.block[0], p.block[1],
+                    n, p.k, self._per(n * active, p.codes[0].nbytes * active)]
+        self.grp.append(desc)
+        return len(self.grp) - 1
+
+    def _packed(self, row: list, packed, names: list[str], members: dict, first: int, count_col: int) -> None:
+        """A PackedLinear's products into row[first:], count in row[count_col]; each named member's
+        (product, first column) into its columns."""
+        i = 0
+        for p, (gemm, count) in enumerate(packed.groups):
+            row[first + p] = self._linear(gemm)
+            column = 0
+            for width in packed.widths[i:i + count]:
+                if names[i] in members:
+                    row[members[names[i]][0]], row[members[names[i]][1]] = p, column
+                column += width
+                i += 1
+        row[count_col] = len(packed.groups)
+
+    # ---- attention -------------------------------------------------------------------------------
+    def _attention(self, row: list, row_f: list, plan, batch, index: int, ratios: list[int], spans: list[int],
+                   visible: dict) -> None:
+        a, attn = self.arrays, plan.attn
+        cfg = attn.cfg
+        if len(plan.x_proj.groups) > 7:
+            raise Unsupported("too many products of x")
+        self._packed(row, plan.x_proj, plan.x_names, _X_MEMBERS, L.X_0, L.X_COUNT)
+        refs = batch.cache.layer_pools(index)
+        row[L.Q_NORM], row[L.KV_NORM] = a.add("f1", attn.q_norm), a.add("f1", attn.kv_norm)
+        row[L.Q_LORA], row[L.HEADS], row[L.HEAD_DIM] = cfg.q_lora_rank, cfg.num_heads, cfg.head_dim
+        row[L.SINK], row[L.WINDOW] = a.add("f1", attn.attn_sink), self._pool(refs["window"], cfg.head_dim)
+        row[L.KIND] = {"swa": L.SWA, "csa": L.CSA, "hca": L.HCA}[attn.kind]
+        row[L.ROPE] = L.ROPE_MAIN if attn.kind == "swa" else L.ROPE_COMPRESS
+        row_f[L.ATTN_SCALE] = cfg.head_dim ** -0.5
+        indexed = plan.uses_indexer(batch.max_context)
+        row[L.INDEXED] = int(indexed)
+        if indexed:
+            self._packed(row, plan.q_index_proj, ["q", "iq"], {"q": (L.Q_P, L.Q_C), "iq": (L.IQ_P, L.IQ_C)},
+                         L.QI_0, L.QI_COUNT)
+        else:
+            row[L.WQ_B] = self._linear(attn.wq_b)
+        g = attn.wo_a.groups
+        wo_a = attn.wo_a
+        weight = wo_a.weight.view(g, wo_a.out_per_group, -1)
+        scale = wo_a.scale.view(g, -1, wo_a.scale.shape[-1]) if wo_a.scale is not None else None
+        row[L.WO_A], row[L.WO_GROUPS], row[L.WO_B] = self._grouped(wo_a, weight, scale, g), g, self._linear(attn.wo_b)
+        comp = attn.compressor
+        if comp is None:
+            return
+        m = attn.ratio
+        row[L.RATIO], row[L.RATIO_SLOT] = m, ratios.index(m)
+        self._compressor(row, row_f, comp, refs["comp_rows"], refs["comp_entries"], spans,
+                         (L.C_APE, L.C_NORM, L.C_STATE, L.C_ENTRIES, L.C_WIDTH, L.C_SPAN_SLOT, L.C_EPS), cfg.head_dim)
+        row[L.C_DIM], row[L.C_OVERLAP] = comp.out_dim, int(comp.overlap)
+        if attn.indexer is not None:
+            ix = attn.indexer
+            self._compressor(row, row_f, ix.compressor, refs["index_rows"], refs["index_keys"], spans,
+                             (L.I_APE, L.I_NORM, L.I_STATE, L.I_KEYS, L.I_WIDTH, L.I_SPAN_SLOT, L.I_EPS), ix.head_dim)
+            keys = refs["index_keys"].pool.tensors[index]
+            row[L.I_KEY_RECORDS] = a.add("u2", keys.view(torch.uint8).view(-1, keys.shape[-1] * 4), np.uint8)
+            row[L.I_KEYS_PER_BLOCK] = keys.shape[1]
+            row[L.I_HEADS], row[L.I_DIM], row[L.I_TOPK] = ix.num_heads, ix.head_dim, ix.topk
+            row_f[L.INDEX_SCALE], row_f[L.INDEX_WEIGHT_SCALE] = ix.head_dim ** -0.5, ix.num_heads ** -0.5
+        if not indexed:
+            visible[m] = batch.max_context // m
+
+    def _pool(self, ref, width: int) -> int:
+        """A raw fp32 pool (or compressor state) as [slots, width] rows in f2."""
+        if ref.pool.spec.fmt != "fp32":
+            raise Unsupported(f"a {ref.pool.spec.fmt} KV pool")
+        t = ref.pool.tensors[ref.layer]
+        self.arrays.watch.append((ref.pool.tensors, ref.layer, t))
+        return self.arrays.add("f2", t.view(-1, width))
+
+    def _compressor(self, row: list, row_f: list, comp, rows_ref, entries_ref, spans: list[int], cols: tuple,
+                    dim: int) -> None:
+        ape, norm, state, entries, width, span_slot, eps = cols
+        a = self.arrays
+        span = 2 * comp.ratio if comp.overlap else comp.ratio
+        if span not in spans:
+            spans.append(span)
+        two_w = comp.ape.shape[1] * 2
+        row[ape], row[norm] = a.add("f2", comp.ape), a.add("f1", comp.norm)
+        row[state], row[entries] = self._pool(rows_ref, two_w), self._pool(entries_ref, dim)
+        row[width], row[span_slot], row_f[eps] = two_w // 2, spans.index(span), comp.eps
+
+    # ---- MoE and the step --------------------------------------------------------------------------
+    def _moe(self, row: list, row_f: list, decoder, index: int, moe, cfg) -> None:
+        a = self.arrays
+        if moe.parallel is not None or not moe.experts.holds_all:
+            raise Unsupported("expert parallelism")
+        if moe.gate.dtype != torch.float32:
+            raise Unsupported("a router not in fp32")
+        row[L.GATE] = a.add("f2", moe.gate)
+        row[L.GATE_PER] = self._per(moe.gate.shape[0], moe.gate.numel() * 4)
+        if moe.hash_routing:
+            row[L.TID2EID] = a.add("i2", moe.tid2eid, np.int32)
+        else:
+            row[L.BIAS] = a.add("f1", moe.gate_bias)
+        k, experts = cfg.num_experts_per_tok, moe.experts
+        slots = self.rows * k
+        row[L.W13] = self._grouped(experts.w13, experts.w13.weight, experts.w13.scale, slots)
+        row[L.W2] = self._grouped(experts.w2, experts.w2.weight, experts.w2.scale, slots)
+        row[L.TOPK], row[L.EXPERTS], row[L.INTER] = k, experts.num_experts, experts.inter
+        row_f[L.SCALING], row_f[L.LIMIT_ROUTED], row_f[L.LIMIT_SHARED] = (cfg.routed_scaling_factor,
+                                                                          experts.swiglu_limit, cfg.swiglu_limit)
+        shared = decoder.shared[index]
+        row[L.SH_COUNT] = 0
+        if shared is not None:
+            if shared.num_gemms > 2:
+                raise Unsupported("a shared expert in more than two products")
+            for p, (gemm, count) in enumerate(shared.groups):
+                row[L.SH_0 + p] = self._linear(gemm)
+            row[L.SH_COUNT], row[L.SH_W2] = shared.num_gemms, self._linear(moe.shared_w2)
+        fused = decoder._cpu_moe(index, moe) if decoder.cpu_moe else None
+        row[L.FUSED_ROWS] = fused.max_tokens if fused is not None else 0
+
+    def _step(self, model, cfg, batch, rope_tables) -> None:
+        a = self.arrays
+        step = [0] * L.STEP_COLUMNS
+        step[L.SEQS], step[L.Q], step[L.HC], step[L.HIDDEN] = batch.num_seqs, batch.tokens_per_seq, cfg.hc_mult, \
+            cfg.hidden_size
+        step[L.WINDOW_LEN], step[L.BLOCK] = cfg.sliding_window, batch.cache.layout.block_size
+        step[L.ITERS], step[L.LANES], step[L.CHUNK] = cfg.hc_sinkhorn_iters, LANES, CHUNK
+        step[L.SOFTPLUS_CHUNK] = SOFTPLUS_CHUNK
+        step[L.MAX_CONTEXT], step[L.VOCAB] = batch.max_context, cfg.vocab_size
+        if model.head.dtype != torch.float32:
+            raise Unsupported("an LM head not in fp32")
+        step[L.EMBED], step[L.HEAD] = a.add("f2", model.embed), a.add("f2", model.head)
+        step[L.HEAD_PER] = self._per(model.head.shape[0], model.head.numel() * 4)
+        hh = model.hc_head
+        step[L.HEAD_FN], step[L.HEAD_BASE], step[L.HEAD_SCALE] = a.add("f2", hh.fn), a.add("f1", hh.base), \
+            a.add("f1", hh.scale)
+        step[L.NORM] = a.add("f1", model.norm)
+        for col, table in zip((L.MAIN_COS, L.MAIN_SIN, L.COMP_COS, L.COMP_SIN), rope_tables(batch.max_context)):
+            step[col] = a.add("f2", table)
+        self.step = np.array(step, np.int64)
+        self.step_f = np.array([cfg.rms_norm_eps, cfg.hc_eps], np.float64)
+
+    # ---- running ---------------------------------------------------------------------------------
+    def valid(self) -> bool:
+        """Whether every weight and pool is still the one the program views."""
+        return self.arrays.unchanged()
+
+    def run(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """One step over the batch's current contents: (streams [T, n, D], logits [T, V]), the
+        program's own buffers (valid until the next run)."""
+        a = self.arrays
+        self.step[L.TORCH_THREADS], self.step[L.THREADS] = torch.get_num_threads(), numba.get_num_threads()
+        status = run_step(self.layer, self.layer_f, self.step, self.step_f, self.step_ratios, self.step_spans,
+                          self.lin_table, self.grp_table, a.f1, a.f2, a.f3, a.u2, a.u3, a.i2, self.batch,
+                          self.streams.numpy(), self.logits.numpy())
+        if status != L.OK:
+            raise _error(status)
+        return self.streams.view(self.rows, self.hc, self.hidden), self.logits
+
+
+def _error(status: int) -> Exception:
+    """The op path's exception for a failed step."""
+    return {L.BAD_TOKEN: IndexError("token ids must be in [0, vocab_size)"),
+            L.BAD_SLOT: IndexError("a slot table entry lies outside its KV pool"),
+            L.BAD_KEYS: ValueError("attention slots lie beyond their pools"),
+            L.BAD_HASH_TOKEN: ValueError("token_ids must be in [0, vocab_size) for hash routing"),
+            L.BAD_EXPERT: ValueError("expert ids out of range"),
+            L.BAD_ENDS: ValueError("grouped product: invalid ends")}.get(status, RuntimeError(f"step status {status}"))
