@@ -75,7 +75,9 @@ def parse_chat_request(body: dict) -> ChatRequest:
     parallel = body.get("parallel_tool_calls", True)
     if not isinstance(parallel, bool):
         raise ProtocolError("'parallel_tool_calls' must be a boolean", "parallel_tool_calls", "invalid_type")
-    return ChatRequest(messages, tools, choice, parallel, _options(body))
+    chat = ChatRequest(messages, tools, choice, parallel, _options(body))
+    check_forced_tools(chat)
+    return chat
 
 
 def parse_tools(tools: Any, where: str) -> list[dict] | None:
@@ -109,8 +111,20 @@ def parse_tools(tools: Any, where: str) -> list[dict] | None:
             raise ProtocolError(f"'{spot}.function.parameters' must be a JSON Schema object", where, "invalid_value")
         from .structured import check_schema
 
-        check_schema(parameters, f"{spot}.function.parameters")
+        check_schema(parameters, f"{spot}.function.parameters", enforced=False)  # see `check_forced_tools`
     return tools or None
+
+
+def check_forced_tools(chat: ChatRequest) -> None:
+    """A tool choice that forces calls makes a grammar of the tools' parameter schemas: they may
+    then use only keywords the grammar engine enforces."""
+    from .structured import check_schema
+
+    if chat.tool_choice != "required" and chat.forced_tool is None:
+        return
+    for i, tool in enumerate(chat.tools or []):
+        if chat.forced_tool in (None, tool["function"]["name"]):
+            check_schema(tool["function"].get("parameters", {}), f"tools[{i}].function.parameters")
 
 
 def parse_tool_choice(choice: Any, tools: list[dict] | None, where: str) -> str | dict:

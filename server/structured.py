@@ -131,8 +131,9 @@ def _schema_text(schema: Any, where: str, limits: StructuredLimits) -> str:
     return json.dumps(schema, ensure_ascii=False)  # key order kept: it is the properties' order in the output
 
 
-def check_schema(schema: dict | bool, where: str) -> None:
-    """The schema is valid against its meta-schema and uses only keywords xgrammar enforces."""
+def check_schema(schema: dict | bool, where: str, enforced: bool = True) -> None:
+    """The schema is valid against its meta-schema and (`enforced`: a grammar will be made of
+    it) uses only keywords xgrammar enforces."""
     import jsonschema
 
     try:
@@ -144,7 +145,7 @@ def check_schema(schema: dict | bool, where: str) -> None:
     except RecursionError:
         raise ProtocolError(f"'{where}' is nested too deeply", "structured_outputs", "invalid_value") from None
     bad = sorted(set(_unenforced(schema, 0)))
-    if bad:
+    if bad and enforced:
         raise ProtocolError(f"'{where}' uses JSON Schema keywords structured outputs cannot enforce: {', '.join(bad)}",
                             "structured_outputs", "unsupported")
 

@@ -60,7 +60,8 @@ def tool_call_tag(spec: str):
 
     t = json.loads(spec)
     return xgr.get_builtin_structural_tag(t["model"], tools=t["tools"], tool_choice=t["tool_choice"],
-                                          reasoning=t["reasoning"], parallel_tool_calls=t["parallel_tool_calls"])
+                                          reasoning=t["reasoning"], parallel_tool_calls=t["parallel_tool_calls"],
+                                          max_whitespace_cnt=MAX_WHITESPACE)
 
 
 def is_json(spec: StructuredOutput) -> bool:

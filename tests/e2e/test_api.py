@@ -43,9 +43,12 @@ def test_streaming_equals_non_streaming_and_reports_usage(client):
     assert "".join(c.choices[0].text for c in chunks if c.choices) == full
     assert chunks[-1].usage.completion_tokens == 10 and not chunks[-1].choices
     chat_kw = dict(kw, messages=[{"role": "user", "content": "stream me"}])
-    text = client.chat.completions.create(**chat_kw).choices[0].message.content
+    message = client.chat.completions.create(**chat_kw).choices[0].message
     stream = list(client.chat.completions.create(stream=True, **chat_kw))
-    assert "".join(c.choices[0].delta.content or "" for c in stream) == text
+    assert message.reasoning_content  # thinking on by default (DeepSeek's chat format): all of it is reasoning
+    assert "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in stream) == \
+        message.reasoning_content
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == message.content
     assert stream[-1].choices[0].finish_reason == "length"
 
 

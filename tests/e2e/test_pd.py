@@ -201,10 +201,14 @@ def test_chat_streaming_and_not_through_the_proxy_equal_colocated(pd):
     messages = [{"role": "user", "content": "Tell me about the sliding window, in a few words please."}]
     want = _client(col.url).chat.completions.create(model="tiny", messages=messages, **GREEDY)
     got = _client(proxy.url).chat.completions.create(model="tiny", messages=messages, **GREEDY)
-    assert got.choices[0].message.content == want.choices[0].message.content
+    said = want.choices[0].message
+    assert said.reasoning_content or said.content  # thinking is on by default: the reasoning carries the text
+    assert (got.choices[0].message.reasoning_content, got.choices[0].message.content) == (said.reasoning_content,
+                                                                                         said.content)
     chunks = _client(proxy.url).chat.completions.create(model="tiny", messages=messages, stream=True, **GREEDY)
-    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert text == want.choices[0].message.content
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == (said.reasoning_content or "")
+    assert "".join(d.content or "" for d in deltas) == said.content
     _holds_nothing(pre, dec)
 
 
