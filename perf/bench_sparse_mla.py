@@ -1,4 +1,5 @@
-"""Sparse-MLA decode attention: shared window tables (one read per sequence) vs per-token reads.
+"""Sparse-MLA decode attention: shared window tables (one read per sequence) vs per-token reads,
+and the output-column split (programs per head block) side by side.
 
 The verify step's q tokens of a sequence share one program of kernels/triton/sparse_mla_decode.py.
 With `window_shared` (what engine/fused_decode.py passes) the window's records are read once per
@@ -7,9 +8,13 @@ did. Both run here side by side on the same pools and tables, at V4-Flash's atte
 (64 heads × 512, window 128, CSA top-512 per token, fp8_ds_mla window / fp4_kv entries, bf16
 dots), for q = 1 (decode) and verify steps of q = 2 and 4: median kernel time over --iters CUDA
 event pairs, the ratio per-row / shared, and the KV bytes each reads (union vs per row).
+Then the shared launch with each --parts (D split into that many column parts, one program
+each: every part computes the block's scores again, and holds a smaller accumulator) against
+the default `value_block` split: median times and ratios, the outputs checked equal to 1e-4 of
+their scale (the same score chunks; a part's dot tile is narrower, its sums the same terms).
 Without CUDA it runs the Triton interpreter at tiny sizes (a smoke run: its times mean nothing).
 
-    python perf/bench_sparse_mla.py [--batch 32] [--q 1 2 4] [--iters 50]
+    python perf/bench_sparse_mla.py [--batch 32] [--q 1 2 4] [--iters 50] [--parts 1 2 4]
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import reference  # noqa: E402
 from kernels.formats import get_format  # noqa: E402
-from kernels.triton.sparse_mla_decode import program_shape, sparse_mla_decode  # noqa: E402
+from kernels.triton.sparse_mla_decode import program_shape, sparse_mla_decode, value_block  # noqa: E402
 from perf.machine import header, median_s  # noqa: E402
 
 PER_BLOCK = 64  # records per pool block
@@ -64,6 +69,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--q", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--parts", type=int, nargs="*", default=[1, 2, 4], help="column parts to compare")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
@@ -76,6 +82,7 @@ def main() -> None:
         print("# no CUDA: Triton interpreter at tiny sizes, a smoke run (times mean nothing)")
     print(f"{'q':>3s} {'M rows':>6s} {'per-row us':>11s} {'shared us':>10s} {'per-row/shared':>15s} "
           f"{'KV MB per-row':>14s} {'KV MB shared':>13s} {'same':>5s}")
+    splits = {}
     for q in args.q:
         c = case(b, q, h, d, w, k, entries, device)
         rec_w = c["window_pool"].shape[-1]
@@ -99,6 +106,24 @@ def main() -> None:
               f"{per_row_mb:14.2f} {shared_mb:13.2f} {'yes' if same else 'NO':>5s}", flush=True)
         if not same:
             sys.exit("bench_sparse_mla: shared and per-row reads differ")
+        splits[q] = (c, t_shared, out[True])
+    default = {q: d // value_block(d, program_shape(q)[0] * program_shape(q)[1]) for q in args.q}
+    print(f"\n{'q':>3s} {'parts':>5s} {'BLOCK_DV':>8s} {'us':>10s} {'vs default':>11s} {'max |diff|':>11s}")
+    for q, (c, t_default, ref) in splits.items():
+        print(f"{q:3d} {default[q]:5d} {d // default[q]:8d} {t_default * 1e6:10.1f} {'(default)':>11s}")
+        for parts in args.parts:
+            if parts == default[q] or d % parts or d // parts < 16:
+                continue
+            got = {}
+
+            def run_parts(parts=parts):
+                got[0] = sparse_mla_decode(**c, precision=precision, window_shared=True, block_dv=d // parts)
+
+            t = median_s(run_parts, iters, cuda)
+            diff = (got[0] - ref).abs().max().item()
+            print(f"{q:3d} {parts:5d} {d // parts:8d} {t * 1e6:10.1f} {t / t_default:10.2f}x {diff:11.2e}", flush=True)
+            if not diff <= 1e-4 * max(1.0, ref.abs().max().item()):
+                sys.exit(f"bench_sparse_mla: {parts} column parts change the output by {diff}")
 
 
 if __name__ == "__main__":

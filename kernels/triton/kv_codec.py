@@ -158,16 +158,26 @@ def record_offsets(slot, R: tl.constexpr, REC: tl.constexpr, DATA: tl.constexpr,
     return data, scale
 
 
-# ---- tile decode: [N] slots -> [N, D] fp32 ----------------------------------------------------
+# ---- tile decode: [N] slots -> [N, W] fp32 ----------------------------------------------------
 
 @triton.jit
 def load_keys(pool, slots, valid, D: tl.constexpr, FMT: tl.constexpr, R: tl.constexpr, REC: tl.constexpr,
               DATA: tl.constexpr, SCALES: tl.constexpr, NOPE: tl.constexpr, GROUP: tl.constexpr):
-    """Dequantize the records of ``slots`` [N] (``valid`` [N]) into fp32 [N, D]; invalid rows are 0.
+    """Dequantize the records of ``slots`` [N] (``valid`` [N]) into fp32 [N, D]; invalid rows are 0."""
+    return load_key_cols(pool, slots, valid, 0, D, D, FMT, R, REC, DATA, SCALES, NOPE, GROUP)
+
+
+@triton.jit
+def load_key_cols(pool, slots, valid, c0, W: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, R: tl.constexpr,
+                  REC: tl.constexpr, DATA: tl.constexpr, SCALES: tl.constexpr, NOPE: tl.constexpr,
+                  GROUP: tl.constexpr):
+    """Columns c0 .. c0 + W - 1 of the records of ``slots`` [N] (``valid`` [N]) as fp32 [N, W],
+    invalid rows 0; c0 a multiple of W (a constexpr c0 lets the compiler drop the loads of a
+    format part the columns do not reach).
 
     Invalid rows issue no loads, so whatever an unused slot holds (NaN included) cannot leak in.
     """
-    cols = tl.arange(0, D)[None, :]                               # [1, D]
+    cols = c0 + tl.arange(0, W)[None, :]                          # [1, W]
     s = tl.where(valid, slots, 0).to(tl.int64)[:, None]           # [N, 1]
     v = valid[:, None]
     if FMT == 0:

@@ -30,6 +30,7 @@ use such scales (an all-zero block gets 2^-22 or 1).
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 import triton
@@ -41,6 +42,7 @@ from kernels.reference import ACT_GROUP, FP4_GROUP
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
 INTERPRET_TILES = (16, 16, 32)        # (BM, BN, BK) under TRITON_INTERPRET: tiny, several tiles per test
 ACT_ROWS = 16
+GEMM_WARPS = 8                        # see _tiles
 OUT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
@@ -232,11 +234,20 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _tiles(x: torch.Tensor, m: int) -> tuple[int, int, int]:
-    if not x.is_cuda:
+def _interpreted() -> bool:
+    """Under TRITON_INTERPRET (CPU tensors): tiny tiles, fp32 dots. Decided by the mode, not the
+    tensors' device, so a launch recorded from meta or fake tensors is the GPU's."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _tiles(m: int, bf16_dot: bool) -> tuple[int, int, int]:
+    """(BM, BN, BK). The dequantized [BN, BK] weight tile (codes, scales, values) dominates the
+    registers: at 8 warps a 64 x 64 tile fits beside a bf16 tensor-core dot, while an fp32 FMA dot
+    (each thread holds whole BK rows of both operands) needs BK = 32 to compile without spills."""
+    if _interpreted():
         return INTERPRET_TILES
     bm = 16 if m <= 16 else 32 if m <= 32 else 64
-    return bm, 64, 64
+    return bm, 64, 64 if bf16_dot else 32
 
 
 def _act_quant_into(x: torch.Tensor, out: torch.Tensor, group: int) -> None:
@@ -267,7 +278,8 @@ def _gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, offsets: t
         # Fake-quantized values (e4m3 times a power of two) are exact in bf16.
         a = act_quant_fp8(x, act_group, torch.bfloat16) if act_quant else x.contiguous()
         out = (torch.zeros if grouped else torch.empty)((m, n), dtype=out_dtype, device=x.device)
-        bm, bn, bk = _tiles(x, m)
+        bf16_dot = not _interpreted() and a.dtype == torch.bfloat16
+        bm, bn, bk = _tiles(m, bf16_dot)
         tiles_m = triton.cdiv(m, bm) + (experts if grouped else 0)
         if m == 0 or n == 0 or experts == 0:
             return out
@@ -279,8 +291,7 @@ def _gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, offsets: t
             s.stride(0) if grouped else 0, s.stride(-2),
             FP4=fp4, GROUPED=grouped, QN=qn, QK=qk, SCALE_F32=scale.dtype == torch.float32,
             X_BF16=a.dtype == torch.bfloat16, OUT_KIND=OUT_KINDS[out_dtype],
-            DOT_BF16=x.is_cuda and a.dtype == torch.bfloat16, E_POW2=triton.next_power_of_2(experts),
-            BM=bm, BN=bn, BK=bk)
+            DOT_BF16=bf16_dot, E_POW2=triton.next_power_of_2(experts), BM=bm, BN=bn, BK=bk, num_warps=GEMM_WARPS)
     return out
 
 

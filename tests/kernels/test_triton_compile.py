@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from kernels.triton.launch_record import LaunchRecord, load_records, recording, save_records, unique
 
@@ -158,3 +160,21 @@ def test_fake_cuda_tensors_are_recorded_without_data():
     (record,) = rec.records
     assert record.signature["x_ptr"] == "*bf16" and record.signature["order_ptr"] == "*i32"
     assert record.grid == (16, 1) and record.constexprs == {"BLOCK": 64}
+
+
+@triton.autotune(configs=[triton.Config({"BLOCK": 16}, num_warps=2), triton.Config({"BLOCK": 64}, num_warps=4)],
+                 key=["n"])
+@triton.jit
+def _tuned_copy_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=offs < n), mask=offs < n)
+
+
+def test_an_autotuned_kernel_records_every_config():
+    """Nothing is benchmarked (no device): each config is a launch to compile."""
+    x = torch.empty(100, dtype=torch.float16, device="meta")
+    with recording() as rec:
+        _tuned_copy_kernel[lambda meta: (triton.cdiv(100, meta["BLOCK"]),)](x, x, 100)
+    assert [(r.constexprs["BLOCK"], r.options["num_warps"], r.grid) for r in rec.records] == [(16, 2, (7,)),
+                                                                                           (64, 4, (2,))]
+    assert rec.records[0].kernel.endswith(":_tuned_copy_kernel") and rec.records[0].signature["src_ptr"] == "*fp16"

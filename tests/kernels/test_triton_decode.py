@@ -193,15 +193,32 @@ def test_sparse_mla_decode_shared_tables_read_once_per_sequence(q, h, window_fmt
     assert torch.equal(mixed, shared)
 
 
-def test_sparse_mla_decode_nan_in_a_shared_column_stays_in_the_rows_that_see_it():
+@pytest.mark.parametrize("block_d,block_dv", [(32, 64), (128, 32)])
+def test_sparse_mla_decode_chunked_scores_and_column_parts(block_d, block_dv):
+    """The GPU's shape of the work at D = 512, at test size: scores summed over D in chunks and
+    the output columns split across programs give the reference's answer, and shared tables the
+    same bits as per-row reads."""
+    case = _shared_case("fp8_ds_mla", "fp4_kv", b=3, q=3, h=5)
+    blocks = dict(block_d=block_d, block_dv=block_dv)
+    shared = sparse_mla_decode(**case, window_shared=True, entries_shared=True, **blocks)
+    assert torch.isfinite(shared).all()
+    assert same(shared, sparse_mla_decode_reference(**case))
+    assert torch.equal(shared, sparse_mla_decode(**case, **blocks))
+    with pytest.raises(ValueError, match="block_dv"):
+        sparse_mla_decode(**case, block_dv=48)
+
+
+@pytest.mark.parametrize("block_dv", [None, 32])
+def test_sparse_mla_decode_nan_in_a_shared_column_stays_in_the_rows_that_see_it(block_dv):
     """The oldest window column is token 0's only: a NaN record there makes token 0 NaN and no
-    other row (a masked row's p = 0 must not meet the NaN in the shared dot), as the reference."""
+    other row (a masked row's p = 0 must not meet the NaN in the shared dot), as the reference,
+    in every column part of the output."""
     case = _shared_case("fp32", "fp8_ds_mla", b=3, q=3, h=4)
-    clean = sparse_mla_decode(**case, window_shared=True, entries_shared=True)
+    clean = sparse_mla_decode(**case, window_shared=True, entries_shared=True, block_dv=block_dv)
     slot = case["window_slots"][2, 0, 0].item()  # sequence 2 (a full window), token 0, column 0
     assert slot >= 0 and (case["window_slots"][2, 1:, 0] < 0).all()
     case["window_pool"].view(-1, case["q"].shape[-1])[slot] = float("nan")
-    out = sparse_mla_decode(**case, window_shared=True, entries_shared=True)
+    out = sparse_mla_decode(**case, window_shared=True, entries_shared=True, block_dv=block_dv)
     assert same(out, sparse_mla_decode_reference(**case))
     assert out[2, 0].isnan().all() and torch.equal(out[2, 1:], clean[2, 1:]) and torch.equal(out[:2], clean[:2])
 
