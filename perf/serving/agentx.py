@@ -11,6 +11,13 @@ a non-final turn, with probability `fork_prob`, 1..`max_subagents` subagents sta
 session (`subagent_turns`, `subagent_first_tokens`) with its own context; the parent's next turn
 waits for them.
 
+Message shape (read by the `agentx` request shape, perf/serving/conversation.py): the first
+`system_share` of a session's turn-0 prompt is its system prompt and tools; a non-final turn's
+reply ends in a tool call with probability `tool_use_share` (then the next turn's new input is
+the tool's result), else it ends the turn (the next input is a user message); a reply opens with
+a reasoning section with probability `thinking_share`. These draws come from their own random
+stream, so the lengths, hashes and times above do not depend on them.
+
 "Log-normal in (lo, hi)": median sqrt(lo·hi), 90% of mass inside (lo, hi), clipped to it.
 Blocks: every `block_size` tokens of history get a fresh hash id when filled; extending a partial
 last block replaces its id (its content changed), so the ideal prefix-hit rate follows from ids.
@@ -46,6 +53,9 @@ class AgentXParams:
     subagent_turns: Range = (1, 3)
     subagent_first_tokens: Range = (64, 256)
     block_size: int = 64
+    tool_use_share: float = 0.7
+    thinking_share: float = 1.0
+    system_share: float = 0.9
     seed: int = 0
 
 
@@ -105,13 +115,28 @@ def _output_len(rng: np.random.Generator, p: AgentXParams) -> int:
     return max(1, round(log_uniform(rng, r)))
 
 
+class _Shape:
+    """The message-shape draws of one session tree (their own random stream)."""
+
+    def __init__(self, rng: np.random.Generator, p: AgentXParams) -> None:
+        self.rng, self.p = rng, p
+
+    def stop(self, last: bool) -> str:
+        return "end_turn" if last or self.rng.random() >= self.p.tool_use_share else "tool_use"
+
+    def output_types(self, stop: str) -> tuple[str, ...]:
+        body = "tool_use" if stop == "tool_use" else "text"
+        return ("thinking", body) if self.rng.random() < self.p.thinking_share else (body,)
+
+
 def _session(rng: np.random.Generator, p: AgentXParams, sid: str, n_turns: int, first: Range,
-             parent: tuple[str, int] | None, ids: _Ids, fork: bool) -> Session:
+             parent: tuple[str, int] | None, ids: _Ids, fork: bool, shape: _Shape) -> Session:
     sess = Session(sid)
     hist = _History(ids, p.block_size)
     hist.append(min(round(log_uniform(rng, first)), p.max_context - 1))
     base = (hist.length, list(hist.hashes))
-    prev_out = 0
+    system_tokens = int(base[0] * p.system_share)
+    prev_out, prev_stop = 0, ""
     for turn in range(n_turns):
         out_len = _output_len(rng, p)
         if turn > 0:
@@ -123,13 +148,16 @@ def _session(rng: np.random.Generator, p: AgentXParams, sid: str, n_turns: int, 
             hist.append(tool)
         out_len = max(1, min(out_len, p.max_context - hist.length))
         delay = 0.0 if (turn == 0 and parent is None) else log_normal(rng, p.think_s) * 1000.0
-        sess.requests.append(TraceRequest(sid, turn, hist.length, out_len, list(hist.hashes), delay, parent))
-        prev_out = out_len
+        stop = shape.stop(turn == n_turns - 1)
+        in_types = ("tool_result",) if prev_stop == "tool_use" else ("text",)
+        sess.requests.append(TraceRequest(sid, turn, hist.length, out_len, list(hist.hashes), delay, parent, stop,
+                                          in_types, shape.output_types(stop), system_tokens))
+        prev_out, prev_stop = out_len, stop
         if fork and turn < n_turns - 1 and rng.random() < p.fork_prob:
             k = int(rng.integers(1, p.max_subagents + 1))
             sess.children[turn] = [
                 _session(rng, p, f"{sid}.{turn}.{j}", max(1, round(log_uniform(rng, p.subagent_turns))),
-                         p.subagent_first_tokens, (sid, turn), ids, fork=False)
+                         p.subagent_first_tokens, (sid, turn), ids, False, shape)
                 for j in range(k)]
     return sess
 
@@ -140,7 +168,8 @@ def generate(p: AgentXParams) -> list[Session]:
     for i in range(p.num_sessions):
         rng = np.random.default_rng([p.seed, i])
         n_turns = max(1, round(log_uniform(rng, p.turns)))
-        trees.append(_session(rng, p, str(i), n_turns, p.first_turn_tokens, None, _Ids(), fork=True))
+        shape = _Shape(np.random.default_rng([p.seed, i, 2]), p)
+        trees.append(_session(rng, p, str(i), n_turns, p.first_turn_tokens, None, _Ids(), True, shape))
     return trees
 
 

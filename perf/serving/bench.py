@@ -9,7 +9,7 @@ import math
 import uuid
 from typing import Any
 
-from perf.serving import agentx, report, runner, server_api, textgen, trace, workloads
+from perf.serving import agentx, conversation, report, runner, server_api, textgen, trace, weka, workloads
 from perf.serving.client import ApiConfig
 from perf.serving.records import RequestSpec
 
@@ -44,7 +44,8 @@ def agentx_params(args: argparse.Namespace) -> agentx.AgentXParams:
     pairs = ("turns", "first_turn_tokens", "append_tokens", "short_output", "long_output", "think_s",
              "subagent_turns", "subagent_first_tokens")
     over: dict[str, Any] = {k: (parse_pair(getattr(args, k)) if getattr(args, k) else None) for k in pairs}
-    for k in ("num_sessions", "max_context", "long_share", "fork_prob", "max_subagents", "block_size"):
+    for k in ("num_sessions", "max_context", "long_share", "fork_prob", "max_subagents", "block_size", "tool_use_share",
+              "thinking_share"):
         over[k] = getattr(args, k)
     over["seed"] = args.seed
     return agentx.params_from(args.agentx_preset, **over)
@@ -93,23 +94,34 @@ async def _text_tools(args: argparse.Namespace, api: ApiConfig, http) -> tuple[A
     return tok, detok, tpw
 
 
-def _sessions(args: argparse.Namespace) -> tuple[list[trace.Session], int]:
+def _sessions(args: argparse.Namespace) -> tuple[list[trace.Session], int, str]:
+    """(trees, block size, trace format) of a session workload."""
     if args.workload == "trace":
         if not args.trace:
-            raise BenchError("--workload trace needs --trace FILE")
+            raise BenchError("--workload trace needs --trace FILE (flat JSONL, or Weka JSONL / .json / directory)")
         try:
-            trees = trace.read_trace(args.trace)
+            trees, block_size, fmt = weka.read_any(args.trace)
         except (OSError, ValueError) as exc:
             raise BenchError(str(exc)) from exc
         if args.num_sessions:
             trees = trees[: args.num_sessions]
-        return trees, args.block_size or 64
+        return trees, args.block_size or block_size or 64, fmt
     p = agentx_params(args)
-    return agentx.generate(p), p.block_size
+    return agentx.generate(p), p.block_size, "synthetic"
+
+
+def _spec_source(args: argparse.Namespace, blocks: textgen.BlockText, nonce: str) -> runner.SpecSource:
+    if args.request_shape == "agentx":
+        return conversation.Conversations(blocks, nonce, args.reasoning_share, not args.tool_results_as_user)
+    return runner.TreeTexts(blocks, nonce)
 
 
 async def run_one(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark described by `args` and return its result document."""
+    if args.request_shape == "agentx" and args.endpoint != "chat":
+        raise BenchError("--request-shape agentx sends chat histories: use --endpoint chat")
+    if args.request_shape == "agentx" and args.workload == "fixed":
+        raise BenchError("--request-shape agentx needs a session workload (--workload agentx or trace)")
     api = await _api(args)
     cfg = run_config(args, api)
     nonce = args.cache_bust or uuid.uuid4().hex[:10]
@@ -126,24 +138,30 @@ async def run_one(args: argparse.Namespace) -> dict[str, Any]:
                            "num_prompts": args.num_prompts}
         block_size = 64
     else:
-        trees, block_size = _sessions(args)
-        texts = runner.TreeTexts(textgen.BlockText(args.seed, block_size, tpw), nonce)
+        trees, block_size, trace_format = _sessions(args)
+        blocks = textgen.BlockText(args.seed, block_size, tpw)
+        texts = _spec_source(args, blocks, nonce)
         warm_p = dataclasses.replace(agentx_params(args), num_sessions=args.num_warmups, seed=args.seed + 104729)
         warm_trees = agentx.generate(warm_p) if args.num_warmups else []
-        warm = [_warm_spec(runner.TreeTexts(texts.blocks, nonce + "w"), i, t) for i, t in enumerate(warm_trees)]
+        warm = [_warm_spec(_spec_source(args, blocks, nonce + "w"), i, t) for i, t in enumerate(warm_trees)]
         result = await runner.run_sessions(cfg, trees, texts, warm)
         workload_params = (dataclasses.asdict(agentx_params(args)) if args.workload == "agentx"
-                           else {"trace": args.trace, "num_sessions": len(trees), "block_size": block_size})
+                           else {"trace": args.trace, "format": trace_format, "num_sessions": len(trees),
+                                 "block_size": block_size})
     config = {"label": args.label or args.url, "url": args.url, "model": api.model, "endpoint": args.endpoint,
               "workload": args.workload, "workload_params": workload_params, "max_concurrency": args.max_concurrency,
               "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf", "burstiness": args.burstiness, "seed": args.seed,
               "num_warmups": args.num_warmups, "ignore_eos": args.ignore_eos, "tokens_per_word": tpw,
-              "cache_bust": nonce}
+              "cache_bust": nonce, "request_shape": args.request_shape}
+    if args.request_shape == "agentx":
+        config.update(reasoning_share=args.reasoning_share, tool_shaped=not args.tool_results_as_user)
     return report.build_document(result, config, num_gpus=args.num_gpus, gpu_hour_usd=args.gpu_hour_usd,
                                  percentiles=args.metric_percentiles, block_size=block_size,
                                  goodput_slo_ms=parse_goodput(args.goodput), detailed=args.save_detailed)
 
 
-def _warm_spec(texts: runner.TreeTexts, i: int, tree: trace.Session) -> RequestSpec:
+def _warm_spec(texts: runner.SpecSource, i: int, tree: trace.Session) -> RequestSpec:
     """A tree's first turn with a short output: fills caches and connections, not measured."""
-    return texts.spec(i, tree.requests[0], max_tokens=min(16, tree.requests[0].output_length))
+    spec = texts.spec(i, tree.requests[0], max_tokens=min(16, tree.requests[0].output_length))
+    texts.finish(i, tree.session_id)
+    return spec

@@ -5,6 +5,8 @@
     ringserve bench serve --url URL --workload agentx --agentx-preset gpu --max-concurrency 32 --ignore-eos
     ringserve bench sweep --url URL1 --label a --url URL2 --label b --concurrency-end 64 --result-dir out/
     ringserve bench gen-trace --url unused --num-sessions 16 --out t.jsonl   # then --workload trace --trace t.jsonl
+    ringserve bench serve --url URL --workload trace --trace perf/traces/agentx_example.jsonl --request-shape agentx \
+        --max-concurrency 4 --ignore-eos      # AgentX's request shape (perf/serving/conversation.py)
 
 Every user error ends as one line `ringserve bench: error: …` on stderr and exit status 2.
 """
@@ -17,7 +19,7 @@ import math
 import sys
 from pathlib import Path
 
-from perf.serving import agentx, bench, report, trace
+from perf.serving import agentx, bench, report, trace, weka
 
 EXIT_USAGE = 2
 
@@ -51,6 +53,16 @@ def add_run_args(p: argparse.ArgumentParser, multi_url: bool = False) -> None:
                    help="do not ask for per-chunk usage (stream_options.continuous_usage_stats)")
     p.add_argument("--request-timeout", type=float, default=6 * 3600.0, help="seconds per request")
     p.add_argument("--cache-bust", default=None, help="marker put at the start of prompts (default: random per run)")
+    p.add_argument("--request-shape", choices=["flat", "agentx"], default="flat",
+                   help="agentx/trace: flat = each turn one user message of its prompt text; agentx = the growing "
+                        "chat history with reasoning and tool turns, max_completion_tokens and session headers, "
+                        "as AIPerf replays AgentX")
+    p.add_argument("--reasoning-share", type=float, default=0.5,
+                   help="agentx shape: share of a recorded reply with a reasoning section sent back as "
+                        "reasoning_content")
+    p.add_argument("--tool-results-as-user", action="store_true",
+                   help="agentx shape: tool results as user messages (AIPerf's default) instead of "
+                        "assistant tool_calls + tool messages")
     g = p.add_argument_group("fixed workload")
     g.add_argument("--input-len", type=int, default=128)
     g.add_argument("--output-len", type=int, default=32)
@@ -66,6 +78,8 @@ def add_run_args(p: argparse.ArgumentParser, multi_url: bool = False) -> None:
     g.add_argument("--fork-prob", type=float, default=None)
     g.add_argument("--max-subagents", type=int, default=None)
     g.add_argument("--block-size", type=int, default=None, help="tokens per hash block (default 64)")
+    g.add_argument("--tool-use-share", type=float, default=None, help="share of non-final turns ending in a tool call")
+    g.add_argument("--thinking-share", type=float, default=None, help="share of replies with a reasoning section")
     g.add_argument("--think-time-scale", type=float, default=1.0, help="multiply every think time")
     g.add_argument("--duration", type=float, default=None, help="stop sending new turns after this many seconds")
     g.add_argument("--trace", default=None, help="--workload trace: JSONL file (see perf/serving/trace.py)")
@@ -106,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("gen-trace", help="write the synthetic AgentX-like workload as a JSONL trace")
     add_run_args(p)
     p.add_argument("--out", required=True)
+    p.add_argument("--format", choices=["flat", "weka", "weka-dir"], default="flat",
+                   help="flat: one request per line; weka: AIPerf's AgentX trace format, one trace per line; "
+                        "weka-dir: a directory of per-trace .json files (aiperf --custom-dataset-type weka_trace)")
     p.set_defaults(func=_cmd_gen_trace)
     return parser
 
@@ -139,7 +156,10 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 def _cmd_gen_trace(args: argparse.Namespace) -> int:
     p = bench.agentx_params(args)
     trees = agentx.generate(p)
-    trace.write_trace(args.out, trees)
+    if args.format == "flat":
+        trace.write_trace(args.out, trees)
+    else:
+        weka.write_weka(args.out, trees, p.block_size, as_dir=args.format == "weka-dir")
     n = sum(len(t.all_requests()) for t in trees)
     print(f"wrote {n} requests in {len(trees)} session trees to {args.out}")
     return 0

@@ -2,12 +2,16 @@
 
 The request asks for `stream_options.include_usage` (final token counts) and, unless disabled,
 `continuous_usage_stats` (vLLM's per-chunk usage, which gives exact tokens per chunk). A chunk
-is token-carrying when its per-chunk usage grew, it carries logprobs, or it has non-empty text
-(`delta.content`, `delta.reasoning_content` or completions `text`). Its token count comes from,
+is token-carrying when its per-chunk usage grew, it carries logprobs, or it has output text:
+`delta.content`, the reasoning (`delta.reasoning_content`, else vLLM's `delta.reasoning`: a
+server that sends both sends the same text), a tool call's name or arguments, or completions
+`text` — so TTFT counts the first reasoning, content or tool-call token, as AIPerf does. Its token count comes from,
 in order: the per-chunk usage delta, the number of logprob entries, else 1 (inexact; see
 `metrics.apportion`). Per-chunk usage is trusted once a chunk with text carries it, so a server
 that puts the final usage on its finish chunk is not mistaken for one N-token chunk. A stream
 that ends without `[DONE]` still succeeds if it carried tokens (some servers omit `[DONE]`).
+The usage's `prompt_tokens_details.cached_tokens` and `completion_tokens_details.reasoning_tokens`
+are kept when present (the last usage seen wins, as for the token totals).
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ def build_payload(api: ApiConfig, spec: RequestSpec) -> dict[str, Any]:
     """The JSON body for `spec` (`ignore_eos` is a vLLM/ringserve extension field)."""
     body: dict[str, Any] = {
         "model": api.model,
-        "max_tokens": spec.max_tokens,
+        spec.max_tokens_field: spec.max_tokens,
         "temperature": api.temperature,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -59,7 +63,9 @@ def build_payload(api: ApiConfig, spec: RequestSpec) -> dict[str, Any]:
     if api.continuous_usage:
         body["stream_options"]["continuous_usage_stats"] = True
     if api.endpoint == "chat":
-        body["messages"] = [{"role": "user", "content": spec.prompt}]
+        body["messages"] = spec.messages if spec.messages is not None else [{"role": "user", "content": spec.prompt}]
+    elif spec.messages is not None:
+        raise ValueError("a chat history needs the chat endpoint")
     else:
         body["prompt"] = spec.prompt
     if api.ignore_eos:
@@ -77,6 +83,8 @@ class _ChunkCounter:
         self.continuous = False  # per-chunk usage seen on a chunk with text
         self.prompt_tokens: int | None = None
         self.completion_tokens: int | None = None
+        self.cached_tokens: int | None = None
+        self.reasoning_tokens: int | None = None
 
     def feed(self, data: dict[str, Any]) -> tuple[int, bool]:
         usage = data.get("usage") or None
@@ -84,6 +92,9 @@ class _ChunkCounter:
         if usage:
             self.prompt_tokens = usage.get("prompt_tokens", self.prompt_tokens)
             self.completion_tokens = usage.get("completion_tokens", self.completion_tokens)
+            self.cached_tokens = _detail(usage, "prompt_tokens_details", "cached_tokens", self.cached_tokens)
+            self.reasoning_tokens = _detail(usage, "completion_tokens_details", "reasoning_tokens",
+                                            self.reasoning_tokens)
         if not choices:
             return 0, True
         choice = choices[0]
@@ -99,11 +110,23 @@ class _ChunkCounter:
         return (1, False) if text else (0, True)
 
 
+def _detail(usage: dict[str, Any], group: str, key: str, default: int | None) -> int | None:
+    details = usage.get(group)
+    value = details.get(key) if isinstance(details, dict) else None
+    return int(value) if isinstance(value, int) else default
+
+
 def _text_of(choice: dict[str, Any]) -> str:
+    """The output text a chunk carries: content, reasoning, tool-call names and arguments."""
     delta = choice.get("delta")
-    if isinstance(delta, dict):
-        return (delta.get("content") or "") + (delta.get("reasoning_content") or "")
-    return choice.get("text") or ""
+    if not isinstance(delta, dict):
+        return choice.get("text") or ""
+    parts = [delta.get("content") or "", delta.get("reasoning_content") or delta.get("reasoning") or ""]
+    for call in delta.get("tool_calls") or ():
+        fn = call.get("function") if isinstance(call, dict) else None
+        if isinstance(fn, dict):
+            parts += [fn.get("name") or "", fn.get("arguments") or ""]
+    return "".join(p for p in parts if isinstance(p, str))
 
 
 def _logprob_count(choice: dict[str, Any]) -> int:
@@ -122,7 +145,8 @@ async def send(http: aiohttp.ClientSession, api: ApiConfig, rec: RequestRecord) 
     counter = _ChunkCounter()
     rec.send_s = time.perf_counter()
     try:
-        async with http.post(api.url, json=build_payload(api, rec.spec), headers=api.headers()) as resp:
+        headers = {**api.headers(), **rec.spec.headers}
+        async with http.post(api.url, json=build_payload(api, rec.spec), headers=headers) as resp:
             if resp.status != 200:
                 rec.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 return rec
@@ -136,6 +160,8 @@ async def send(http: aiohttp.ClientSession, api: ApiConfig, rec: RequestRecord) 
         rec.end_s = time.perf_counter()
         rec.prompt_tokens = counter.prompt_tokens
         rec.completion_tokens = counter.completion_tokens
+        rec.cached_tokens = counter.cached_tokens
+        rec.reasoning_tokens = counter.reasoning_tokens
     return rec
 
 

@@ -22,6 +22,12 @@ Run level: duration = measured start → last request end; throughputs = tokens 
 throughput = successful / duration; peak output tok/s = max tokens in any 1-s bin; peak
 concurrency = max overlap of [send, end]; cost per 1M output tokens = usd_per_gpu_hour ×
 num_gpus / (output tok/s × 3600) × 1e6. Percentiles are numpy's linear interpolation.
+
+From the server's usage (AIPerf's `--use-server-token-count`: token totals are the usage's
+whenever it has them; `server_token_counts` says whether every request's did): the usage
+prefix-hit rate = Σ cached_tokens / Σ prompt_tokens over requests whose usage reports cached
+tokens, also per turn index of their session (turn 0 is a session's cold start); reasoning tokens
+= Σ completion_tokens_details.reasoning_tokens, and their share of the output tokens.
 """
 
 from __future__ import annotations
@@ -192,11 +198,41 @@ def compute(records: Sequence[RequestRecord], duration_s: float, start_s: float,
         "cost_per_million_output_tokens_usd": _cost(gpu_hour_usd, num_gpus, out_tps),
         "cost_per_million_total_tokens_usd": _cost(gpu_hour_usd, num_gpus, (in_tok + out_tok) / dur),
     }
+    res.update(usage_summary(ok))
     if goodput_slo_ms:
         good = sum(1 for r, t in zip(ok, tpots) if _meets(r, t, goodput_slo_ms))
         res["goodput_slo_ms"] = dict(goodput_slo_ms)
         res["request_goodput"] = good / dur
     return res
+
+
+def usage_summary(ok: Sequence[RequestRecord]) -> dict:
+    """Server-usage figures of successful requests (see the module docstring); None when absent."""
+    cached = [r for r in ok if r.cached_tokens is not None and r.prompt_tokens]
+    hits, prompts = sum(r.cached_tokens for r in cached), sum(r.prompt_tokens for r in cached)
+    by_turn: dict[int, list[int]] = {}
+    for r in cached:
+        acc = by_turn.setdefault(r.spec.turn, [0, 0])
+        acc[0] += r.cached_tokens
+        acc[1] += r.prompt_tokens
+    reasoning = [r.reasoning_tokens for r in ok if r.reasoning_tokens is not None]
+    out_tok = sum(r.output_tokens for r in ok)
+    return {
+        "server_token_counts": bool(ok) and all(r.prompt_tokens is not None and r.completion_tokens is not None
+                                                for r in ok),
+        "total_cached_tokens": hits if cached else None,
+        "usage_prefix_hit_rate": hits / prompts if prompts else None,
+        "usage_prefix_hit_rate_by_turn": {str(t): h / n for t, (h, n) in sorted(by_turn.items())} if cached else None,
+        "usage_prefix_hit_rate_later_turns": _later_turns_rate(cached),
+        "total_reasoning_tokens": sum(reasoning) if reasoning else None,
+        "reasoning_token_share": (sum(reasoning) / out_tok) if reasoning and out_tok else None,
+    }
+
+
+def _later_turns_rate(cached: Sequence[RequestRecord]) -> float | None:
+    later = [r for r in cached if r.spec.turn > 0]
+    n = sum(r.prompt_tokens for r in later)
+    return sum(r.cached_tokens for r in later) / n if n else None
 
 
 def _cost(usd_per_gpu_hour: float, num_gpus: float, tok_per_s: float) -> float | None:

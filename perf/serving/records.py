@@ -16,9 +16,11 @@ class RequestSpec:
     """One request of a workload.
 
     `prompt` is the user text (chat endpoint: one user message; completions endpoint: the raw
-    prompt). `input_length` is the workload's nominal prompt length in tokens (the server's
+    prompt), unless `messages` gives the whole chat history (the agentx request shape).
+    `input_length` is the workload's nominal prompt length in tokens (the server's
     `usage.prompt_tokens` replaces it when present). `hash_ids` are the prompt's 64-token block
-    hashes, already salted per session tree, used for the ideal prefix-hit rate.
+    hashes, already salted per session tree, used for the ideal prefix-hit rate. `headers` are
+    sent with the request (session affinity); `max_tokens_field` names the output limit.
     """
 
     prompt: str
@@ -28,6 +30,9 @@ class RequestSpec:
     turn: int = 0
     hash_ids: tuple[int, ...] = ()
     extra_body: dict[str, Any] = field(default_factory=dict)
+    messages: list[dict[str, Any]] | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+    max_tokens_field: str = "max_tokens"
 
 
 @dataclass(slots=True)
@@ -37,6 +42,9 @@ class RequestRecord:
     `chunk_times[i]` is the arrival time of the i-th token-carrying chunk and `chunk_tokens[i]`
     its token count; `chunk_tokens_exact` is True when every count came from the server
     (per-chunk usage or logprobs) rather than the one-token-per-chunk assumption.
+    `cached_tokens` (`usage.prompt_tokens_details.cached_tokens`: the server's prefix-cache hit)
+    and `reasoning_tokens` (`usage.completion_tokens_details.reasoning_tokens`) are None when the
+    server's usage does not carry them.
     """
 
     spec: RequestSpec
@@ -49,6 +57,8 @@ class RequestRecord:
     chunk_tokens_exact: bool = True
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    reasoning_tokens: int | None = None
     ok: bool = False
     error: str = ""
 

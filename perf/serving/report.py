@@ -45,7 +45,8 @@ def _request_row(r) -> dict[str, Any]:
     return {"session_id": r.spec.session_id, "turn": r.spec.turn, "ok": r.ok, "input_tokens": r.input_tokens,
             "output_tokens": r.output_tokens, "queue_ms": r.queue_s * 1e3,
             "ttft_ms": None if r.ttft_s is None else r.ttft_s * 1e3, "tpot_ms": None if tpot is None else tpot * 1e3,
-            "e2el_ms": r.e2el_s * 1e3, "chunks": len(r.chunk_times)}
+            "e2el_ms": r.e2el_s * 1e3, "chunks": len(r.chunk_times), "cached_tokens": r.cached_tokens,
+            "reasoning_tokens": r.reasoning_tokens}
 
 
 def _json_safe(x: Any) -> Any:
@@ -116,6 +117,14 @@ def print_table(doc: dict[str, Any], out: TextIO, percentiles: Sequence[float]) 
     row("Spec. per-position acceptance", None if pos is None else " ".join(f"{x:.2f}" for x in pos))
     row("Ideal prefix-hit rate", doc["ideal_prefix_hit_rate"], 3)
     row("Achieved prefix-hit rate", doc["achieved_prefix_hit_rate"], 3)
+    row("Usage prefix-hit rate (cached_tokens)", doc.get("usage_prefix_hit_rate"), 3)
+    by_turn = doc.get("usage_prefix_hit_rate_by_turn") or {}
+    later = doc.get("usage_prefix_hit_rate_later_turns")
+    row("  turn 0 / later turns", f"{_fmt(by_turn.get('0'), 3)} / {_fmt(later, 3)}")
+    row("Reasoning tokens (share of output)",
+        None if doc.get("total_reasoning_tokens") is None
+        else f"{doc['total_reasoning_tokens']} ({_fmt(doc.get('reasoning_token_share'), 2)})")
+    row("Token counts from server usage", doc.get("server_token_counts"))
     row("Preemptions", doc["num_preemptions"])
     row("DP imbalance (mean / max)", f"{_fmt(doc['dp_imbalance_mean'])} / {_fmt(doc['dp_imbalance_max'])}")
     row(f"Cost per 1M output tokens (USD @ {doc['gpu_hour_usd']}/GPU-h)", doc["cost_per_million_output_tokens_usd"])

@@ -4,7 +4,9 @@ Open-loop workloads (fixed): request i becomes ready at the i-th arrival of a ga
 (`burstiness` = shape; 1 = Poisson; rate = inf sends all at once, as vLLM), then waits for one
 of `max_concurrency` slots; `ready_s` and `send_s` record both instants. Session workloads
 (agentx, trace): `max_concurrency` lanes each play one session tree at a time (concurrency =
-live trees); a request is ready after its think time and is sent at once. Warm-up requests run
+live trees); a request is ready after its think time and is sent at once. A spec source turns
+each turn into a request: `TreeTexts` (one user message of block text) or, for the agentx
+request shape, `conversation.Conversations` (the growing chat history). Warm-up requests run
 before the first scrape and are not measured.
 """
 
@@ -15,6 +17,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import aiohttp
 import numpy as np
@@ -144,6 +147,12 @@ async def run_open_loop(cfg: RunConfig, specs: Sequence[RequestSpec], warmups: S
             bar.close()
 
 
+class SpecSource(Protocol):
+    def spec(self, tree_index: int, req: TraceRequest, max_tokens: int | None = None) -> RequestSpec: ...
+
+    def finish(self, tree_index: int, session_id: str) -> None: ...
+
+
 class TreeTexts:
     """Turns trace requests into specs: per-tree marker, salted hash ids, block text."""
 
@@ -157,12 +166,15 @@ class TreeTexts:
                            max_tokens=max_tokens or req.output_length, input_length=req.input_length,
                            session_id=req.session_id, turn=req.turn, hash_ids=salted)
 
+    def finish(self, tree_index: int, session_id: str) -> None:
+        """Nothing to forget: each turn's text stands alone."""
+
 
 def count_requests(trees: Sequence[Session]) -> int:
     return sum(len(t.all_requests()) for t in trees)
 
 
-async def run_sessions(cfg: RunConfig, trees: Sequence[Session], texts: TreeTexts,
+async def run_sessions(cfg: RunConfig, trees: Sequence[Session], texts: SpecSource,
                        warmups: Sequence[RequestSpec] = ()) -> RunResult:
     """Play session trees on `max_concurrency` lanes (see the module docstring)."""
     lanes = max(1, min(cfg.max_concurrency or len(trees), len(trees) or 1))
@@ -172,17 +184,20 @@ async def run_sessions(cfg: RunConfig, trees: Sequence[Session], texts: TreeText
         records: list[RequestRecord] = []
 
         async def play(sess: Session, tree_index: int, deadline: float) -> None:
-            for req in sess.requests:
-                await asyncio.sleep(req.delay_ms / 1000.0 * cfg.think_time_scale)
-                if time.perf_counter() >= deadline:
-                    return
-                rec = RequestRecord(texts.spec(tree_index, req), ready_s=time.perf_counter())
-                records.append(rec)
-                await client.send(http, cfg.api, rec)
-                bar.update(1)
-                subs = sess.children.get(req.turn, [])
-                if subs:
-                    await asyncio.gather(*(play(s, tree_index, deadline) for s in subs))
+            try:
+                for req in sess.requests:
+                    await asyncio.sleep(req.delay_ms / 1000.0 * cfg.think_time_scale)
+                    if time.perf_counter() >= deadline:
+                        return
+                    rec = RequestRecord(texts.spec(tree_index, req), ready_s=time.perf_counter())
+                    records.append(rec)
+                    await client.send(http, cfg.api, rec)
+                    bar.update(1)
+                    subs = sess.children.get(req.turn, [])
+                    if subs:
+                        await asyncio.gather(*(play(s, tree_index, deadline) for s in subs))
+            finally:
+                texts.finish(tree_index, sess.session_id)
 
         async def body(start: float) -> list[RequestRecord]:
             deadline = start + cfg.duration_s if cfg.duration_s else math.inf

@@ -67,6 +67,22 @@ class BlockText:
             self._cache[key] = text
         return text
 
+    def span(self, hash_ids: Sequence[int], start: int, end: int) -> str:
+        """Text of about `end - start` tokens standing for prompt positions [start, end) of a prompt
+        whose blocks are `hash_ids`: each block's share is a pure function of (hash id, offset,
+        length), so equal blocks cut at equal places give equal text. Positions past the last
+        id take ids derived from it and the block index."""
+        parts = []
+        pos = start
+        while pos < end:
+            j = pos // self.block_size
+            stop = min(end, (j + 1) * self.block_size)
+            h = hash_ids[j] if j < len(hash_ids) else ((hash_ids[-1] if hash_ids else 0) ^ (j << 24) ^ (1 << 47))
+            rng = np.random.default_rng([self.seed, h & 0xFFFFFFFFFFFF, pos - j * self.block_size, stop - pos])
+            parts.append(random_words(rng, self.words_for(stop - pos)))
+            pos = stop
+        return " ".join(parts)
+
     def prompt(self, marker: str, hash_ids: Sequence[int], input_length: int) -> str:
         """`marker` then the text of `input_length` tokens covered by `hash_ids` in order."""
         parts = [marker] if marker else []

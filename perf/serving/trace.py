@@ -16,6 +16,17 @@ A trace is JSONL, one request per line:
 * `parent`: null for a top-level session; otherwise the (session, turn) that forks this
   subagent. The parent's next turn waits until all its subagents finish.
 
+Optional fields (absent = unknown; used by the `agentx` request shape, perf/serving/conversation.py):
+
+* `stop`: how the recorded reply ended: "tool_use" (the next turn's new input is the tool's
+  result) or "end_turn".
+* `input_types` / `output_types`: what the new input and the recorded reply held, in the Weka
+  corpus' words: "text", "tool_result" / "thinking", "text", "tool_use".
+* `system_tokens`: how many leading prompt tokens are the system prompt and tool definitions
+  (sent as the system message when a conversation starts or restarts).
+
+The same sessions can be stored in AIPerf's Weka format (the AgentX corpus): perf/serving/weka.py.
+
 A session tree (a top-level session and its subagents) is the unit of concurrency, and gets a
 unique cache-bust marker per play. Lines may come in any order; turns are sorted per session.
 """
@@ -38,12 +49,25 @@ class TraceRequest:
     hash_ids: list[int]
     delay_ms: float = 0.0
     parent: tuple[str, int] | None = None
+    stop: str = ""
+    input_types: tuple[str, ...] = ()
+    output_types: tuple[str, ...] = ()
+    system_tokens: int = 0
 
     def to_json(self) -> dict:
         parent = None if self.parent is None else {"session_id": self.parent[0], "turn": self.parent[1]}
-        return {"session_id": self.session_id, "turn": self.turn, "input_length": self.input_length,
-                "output_length": self.output_length, "hash_ids": self.hash_ids,
-                "delay_ms": round(self.delay_ms, 3), "parent": parent}
+        out = {"session_id": self.session_id, "turn": self.turn, "input_length": self.input_length,
+               "output_length": self.output_length, "hash_ids": self.hash_ids,
+               "delay_ms": round(self.delay_ms, 3), "parent": parent}
+        if self.stop:
+            out["stop"] = self.stop
+        if self.input_types:
+            out["input_types"] = list(self.input_types)
+        if self.output_types:
+            out["output_types"] = list(self.output_types)
+        if self.system_tokens:
+            out["system_tokens"] = self.system_tokens
+        return out
 
     @classmethod
     def from_json(cls, d: dict) -> "TraceRequest":
@@ -51,7 +75,9 @@ class TraceRequest:
         parent = None if not p else (str(p["session_id"]), int(p["turn"]))
         return cls(str(d["session_id"]), int(d.get("turn", 0)), int(d["input_length"]),
                    int(d["output_length"]), [int(h) for h in d.get("hash_ids", [])],
-                   float(d.get("delay_ms", 0.0)), parent)
+                   float(d.get("delay_ms", 0.0)), parent, str(d.get("stop") or ""),
+                   tuple(str(t) for t in d.get("input_types") or ()),
+                   tuple(str(t) for t in d.get("output_types") or ()), int(d.get("system_tokens") or 0))
 
 
 @dataclass(slots=True)
