@@ -119,7 +119,10 @@ class Engine:
         if kv_transfer_params is not None:  # [kv-connector] a leg of a PD request
             if self.connector is None:
                 raise RequestError("kv_transfer_params need a server started with --kv-transfer")
-            return self.connector.add_request(request_id, list(prompt_token_ids), params, kv_transfer_params)
+            req = self.connector.add_request(request_id, list(prompt_token_ids), params, kv_transfer_params)
+            if params.structured is not None:  # the prefill samples its first token under the grammar, the
+                req.grammar = self.grammar_for(params)  # decode leg's matcher starts from that token
+            return req
         req = Request(request_id, list(prompt_token_ids), params)
         if params.structured is not None:
             req.grammar = self.grammar_for(params)
@@ -154,7 +157,8 @@ class Engine:
 
     def settle_grammars(self) -> list[Finished]:
         """Start the matchers of waiting requests whose grammar compile ended; those whose
-        compile failed (or whose output so far breaks it) finish with a 400 error."""
+        compile failed (or whose output so far breaks it) finish with a 400 error, those whose
+        output so far already ends it finish with stop."""
         failed = []
         for req in [r for r in self.scheduler.waiting if r.grammar is not None and r.grammar.matcher is None]:
             if not req.grammar.ready:
@@ -167,6 +171,8 @@ class Engine:
                     error = str(exc)
             if error is not None:
                 failed.append(self.scheduler.fail_waiting(req, error))
+            elif req.grammar.terminated:  # its output so far (a PD decode leg's first token) ended it
+                failed.append(self.scheduler.finish_waiting(req))
         return failed
 
     @property

@@ -178,6 +178,11 @@ class Scheduler:
         """Nothing runs and every waiting request waits for its grammar's compile."""
         return not self.running and bool(self.waiting) and self._next_waiting() is None
 
+    def finish_waiting(self, req: Request) -> Finished:
+        """Finish a waiting request whose output is already complete (stop)."""
+        self.waiting.remove(req)
+        return self._finish(req, FinishReason.STOP)
+
     def fail_waiting(self, req: Request, error: str, error_code: int = 400) -> Finished:
         """Finish a waiting request that cannot run (its grammar did not compile)."""
         self.waiting.remove(req)

@@ -196,6 +196,22 @@ def test_greedy_completions_through_the_proxy_equal_colocated(pd, model_dir, n):
     _holds_nothing(pre, dec)
 
 
+def test_structured_output_through_the_proxy_equals_colocated(pd):
+    """A JSON schema across PD: the prefill samples the first token under the grammar, the
+    decode leg's matcher continues from it; the output validates and equals the colocated one."""
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
+                                               "tag": {"enum": ["alpha", "beta"]}}, "required": ["id", "tag"]}
+    kw = dict(model="tiny", prompt="Record:", max_tokens=120, temperature=0,
+              extra_body={"structured_outputs": {"json": schema, "disable_any_whitespace": True}})
+    want = _client(pd[3].url).completions.create(**kw).choices[0]
+    got = _client(pd[0].url).completions.create(**kw).choices[0]
+    assert got.text == want.text and got.finish_reason == want.finish_reason == "stop"
+    jsonschema.validate(json.loads(got.text), schema)
+    _holds_nothing(pd[1], pd[2])
+
+
 def test_chat_streaming_and_not_through_the_proxy_equal_colocated(pd):
     proxy, pre, dec, col = pd
     messages = [{"role": "user", "content": "Tell me about the sliding window, in a few words please."}]
