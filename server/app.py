@@ -1,8 +1,11 @@
 """The aiohttp application: one routes table, auth and error middlewares, small endpoints.
 
-Every failure is an OpenAI-style JSON error body (`{"error": {message, type, param, code}}`) with
-a 4xx status for the client's mistakes; nothing ever returns a stack trace. With an API key,
-every route except /health and /ready requires it (compared in constant time).
+Every failure is a JSON error body with a 4xx status for the client's mistakes, in the API's own
+shape: Anthropic's (`{"type": "error", "error": {type, message}}`) on /v1/messages routes,
+OpenAI's (`{"error": {message, type, param, code}}`) everywhere else; nothing ever returns a stack
+trace. With an API key, every route except /health and /ready requires it, given as
+`Authorization: Bearer KEY` (OpenAI's clients) or `x-api-key: KEY` (Anthropic's), compared in
+constant time.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import logging
 from aiohttp import web
 
 from . import handlers, offload
+from .adapters import anthropic_api, responses_api
 from .chat_request import parse_chat_request
 from .openapi import openapi_spec
 from .protocol import ProtocolError
@@ -23,10 +27,13 @@ logger = logging.getLogger(__name__)
 PUBLIC = frozenset({"/health", "/ready"})
 
 
-def _error(status: int, message: str, err_type: str, code: str | None = None, param: str | None = None,
-           headers: dict | None = None) -> web.Response:
-    body = {"error": {"message": message, "type": err_type, "param": param, "code": code}}
-    return web.json_response(body, status=status, headers=headers)
+def _error(request: web.Request, exc: ProtocolError, headers: dict | None = None) -> web.Response:
+    """The error response in the shape of the route's API."""
+    if anthropic_api.is_anthropic_route(request.path):
+        body = anthropic_api.error_body(exc.status, exc.message)
+    else:
+        body = exc.body()
+    return web.json_response(body, status=exc.status, headers=headers)
 
 
 @web.middleware
@@ -34,19 +41,18 @@ async def errors(request: web.Request, handler):
     try:
         return await handler(request)
     except ProtocolError as exc:
-        headers = {"Retry-After": "1"} if exc.status in (429, 503) else None
-        return web.json_response(exc.body(), status=exc.status, headers=headers)
+        return _error(request, exc, {"Retry-After": "1"} if exc.status in (429, 503) else None)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
         kind = {401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error",
                 413: "invalid_request_error"}.get(exc.status, "invalid_request_error")
-        return _error(exc.status, exc.reason, kind, code=str(exc.status))
+        return _error(request, ProtocolError(exc.reason, None, str(exc.status), exc.status, kind))
     except (ConnectionResetError, ConnectionError):
         raise
     except Exception:  # a bug: log it, never leak it
         logger.exception("internal error on %s %s", request.method, request.path)
-        return _error(500, "internal server error", "server_error", code="internal_error")
+        return _error(request, ProtocolError("internal server error", None, "internal_error", 500, "server_error"))
 
 
 @web.middleware
@@ -55,9 +61,10 @@ async def auth(request: web.Request, handler):
     if key is None or request.path in PUBLIC:
         return await handler(request)
     given = request.headers.get("Authorization", "")
-    token = given[7:] if given.startswith("Bearer ") else ""
+    token = given[7:] if given.startswith("Bearer ") else request.headers.get("x-api-key", "")
     if not hmac.compare_digest(token.encode(), key.encode()):
-        return _error(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
+        return _error(request, ProtocolError("invalid or missing API key", None, "invalid_api_key", 401,
+                                             "authentication_error"))
     return await handler(request)
 
 
@@ -137,6 +144,9 @@ def make_app(state: AppState) -> web.Application:
         web.get("/v1/models", models),
         web.post("/v1/completions", handlers.completions),
         web.post("/v1/chat/completions", handlers.chat_completions),
+        web.post("/v1/messages", anthropic_api.messages),
+        web.post("/v1/messages/count_tokens", anthropic_api.count_tokens),
+        web.post("/v1/responses", responses_api.responses),
         web.post("/tokenize", tokenize),
         web.post("/detokenize", detokenize),
         web.get("/version", version),

@@ -87,6 +87,51 @@ def openapi_spec(state) -> dict:
                            "top_logprobs": {"type": ["integer", "null"], **_WIRE["logprobs"]},
                            "max_completion_tokens": {"type": ["integer", "null"], **_WIRE["max_tokens"]},
                            **_SAMPLING}}
+    anthropic_message = {"type": "object", "required": ["role", "content"],
+                         "properties": {"role": {"type": "string", "enum": ["user", "assistant"]},
+                                        "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {
+                                            "type": "object", "required": ["type"],
+                                            "properties": {"type": {"type": "string"}}}}]}}}
+    anthropic_tool = {"type": "object", "required": ["name", "input_schema"],
+                      "properties": {"name": {"type": "string"}, "description": {"type": "string"},
+                                     "input_schema": {"type": "object"}}}
+    anthropic_chat = {"model": {"type": "string", "enum": list(state.served_names)},
+                      "messages": {"type": "array", "items": anthropic_message, "minItems": 1},
+                      "system": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}]},
+                      "tools": {"type": "array", "items": anthropic_tool},
+                      "tool_choice": {"type": "object", "required": ["type"], "properties": {
+                          "type": {"type": "string", "enum": ["auto", "any", "tool", "none"]},
+                          "name": {"type": "string"}}},
+                      "thinking": {"type": "object", "required": ["type"], "properties": {
+                          "type": {"type": "string", "enum": ["enabled", "disabled", "adaptive"]},
+                          "budget_tokens": {"type": "integer", "minimum": 1}}}}
+    messages = {"type": "object", "required": ["messages", "max_tokens"],
+                "properties": {**anthropic_chat,
+                               "max_tokens": {"type": "integer", **_WIRE["max_tokens"]},
+                               "stop_sequences": {"type": "array", "items": {"type": "string"}, "maxItems": 16},
+                               "temperature": _SAMPLING["temperature"], "top_p": _SAMPLING["top_p"],
+                               "top_k": _SAMPLING["top_k"], "stream": {"type": "boolean"},
+                               "metadata": {"type": "object", "properties": {"user_id": {"type": "string"}}},
+                               "output_config": {"type": "object", "properties": {"effort": {
+                                   "type": "string", "enum": ["low", "medium", "high", "xhigh", "max"]}}}}}
+    responses = {"type": "object", "required": ["input"],
+                 "properties": {"model": {"type": "string", "enum": list(state.served_names)},
+                                "input": {"oneOf": [{"type": "string", "minLength": 1},
+                                                    {"type": "array", "minItems": 1, "items": {"type": "object"}}]},
+                                "instructions": {"type": ["string", "null"]},
+                                "max_output_tokens": {"type": ["integer", "null"], **_WIRE["max_tokens"]},
+                                "temperature": _SAMPLING["temperature"], "top_p": _SAMPLING["top_p"],
+                                "stream": {"type": ["boolean", "null"]},
+                                "tools": {"type": "array", "items": {"type": "object", "required": ["type", "name"],
+                                                                     "properties": {"type": {"enum": ["function"]},
+                                                                                    "name": {"type": "string"},
+                                                                                    "parameters": {"type": "object"}}}},
+                                "tool_choice": {"oneOf": [{"type": "string", "enum": ["auto", "none", "required"]},
+                                                          {"type": "object"}]},
+                                "reasoning": {"type": ["object", "null"], "properties": {"effort": {
+                                    "type": "string",
+                                    "enum": ["none", "minimal", "low", "medium", "high", "xhigh", "max"]}}},
+                                "store": {"type": ["boolean", "null"]}}}
     simple = {"get": {"responses": {"200": {"description": "OK"}, "503": {"description": "unavailable"}}}}
     return {
         "openapi": "3.0.3",
@@ -94,6 +139,10 @@ def openapi_spec(state) -> dict:
         "paths": {
             "/v1/completions": _post("text completion", completion),
             "/v1/chat/completions": _post("chat completion", chat),
+            "/v1/messages": _post("Anthropic Messages", messages),
+            "/v1/messages/count_tokens": _post("Anthropic Messages token count", {
+                "type": "object", "required": ["messages"], "properties": anthropic_chat}),
+            "/v1/responses": _post("OpenAI Responses (stateless)", responses),
             "/tokenize": _post("tokenize", {"type": "object", "properties": {"prompt": {"type": "string"}}}),
             "/detokenize": _post("detokenize", {"type": "object", "required": ["tokens"], "properties": {
                 "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}}}}),
