@@ -101,8 +101,12 @@ async def prepare_chat(state: AppState, req: GenerationRequest) -> tuple[list[in
 
 
 async def _check_grammar(state: AppState, req: GenerationRequest) -> None:
-    if req.params.structured is not None and state.grammar_checker is not None:
-        await state.grammar_checker.check(req.params.structured)  # 400 unless it compiles within the deadline
+    """400 unless the request's grammar compiles within the deadline. Not on PD's decode leg: the
+    prefill server checked the same specification, and the prefill's KV lease is running."""
+    kv = req.kv_transfer_params
+    if req.params.structured is None or state.grammar_checker is None or (kv is not None and kv.do_remote_prefill):
+        return
+    await state.grammar_checker.check(req.params.structured)
 
 
 def session_of(request: web.Request, user: str | None) -> str | None:
