@@ -74,7 +74,10 @@ class Translation:
     sources: list[str] = field(default_factory=list)  # per chat message: where it came from ("messages[2]")
 
     def error(self, exc: ProtocolError) -> ProtocolError:
-        message, param = exc.message, self.params.get(exc.param, exc.param)
+        param = exc.param
+        if param == "structured_outputs" and "tools[" in exc.message:  # a tool's parameters schema
+            param = "tools"
+        message, param = exc.message, self.params.get(param, param)
         for ours, theirs in self.renames:
             message = message.replace(ours, theirs)
         # messages[N] of the chat body → the place in this API's request that produced it

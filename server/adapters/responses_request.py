@@ -73,8 +73,8 @@ def translate(body: Any, version: str | None) -> Translation:
     chat.update(_reasoning(body.get("reasoning"), version))
     chat.update(_text_format(body.get("text")))
     session = next((k for k in _SESSION_FIELDS if body.get(k) is not None), None)
-    params = {"max_completion_tokens": "max_output_tokens", "response_format": "text", "messages": "input",
-              "reasoning_effort": "reasoning"}
+    params = {"max_completion_tokens": "max_output_tokens", "response_format": "text", "structured_outputs": "text",
+              "messages": "input", "reasoning_effort": "reasoning"}
     renames = _RENAMES
     if session is not None:
         chat["user"] = body[session]

@@ -115,6 +115,23 @@ def test_thinking_settings_and_effort_reach_the_prompt(client, served):
         message.usage.cache_read_input_tokens == count(output_config={"effort": "max"})
 
 
+def test_every_effort_level_is_one_the_model_takes():
+    """Anthropic's and OpenAI's effort names land on values DeepSeek's encoders accept, in rising
+    order; on V4.1 the names DeepSeek defines keep its values (low 50, high 75, max 100)."""
+    from server.adapters.common import EFFORT_LEVELS, reasoning_fields
+    from server.chat import resolve_effort
+
+    for version in ("v4", "v41"):
+        efforts = {level: resolve_effort(version, reasoning_fields(version, None, level, "effort")["reasoning_effort"])
+                   for level in EFFORT_LEVELS}
+        if version == "v4":
+            assert set(efforts.values()) == {"high", "max"} and efforts["max"] == "max"
+        else:
+            assert [efforts[k] for k in ("low", "high", "max")] == [50, 75, 100]
+            assert list(efforts.values()) == sorted(efforts.values())
+    assert reasoning_fields(None, True, "max", "effort") == {}  # a template model has no reasoning switches
+
+
 def test_tool_choice_any_gives_a_tool_use_that_validates(client, chat):
     kw = dict(tools=[CLOCK], tool_choice={"type": "any", "disable_parallel_tool_use": True}, thinking=NO_THINKING,
               max_tokens=200)

@@ -175,14 +175,15 @@ def test_text_format_json_schema(client):
     ({"tool_choice": "required"}, "tool_choice", "no tools"),
     ({"reasoning": {"effort": "extreme"}}, "reasoning.effort", "minimal, low"),
     ({"max_output_tokens": 4000}, "max_output_tokens", "maximum context length"),
-    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "frob"}}}}, None, "text.format"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "frob"}}}}, "text", "text.format"),
+    ({"tools": [{**CLOCK, "parameters": {"type": "frob"}}]}, "tools", "tools[0].parameters"),
     ({"input": [{"type": "function_call_output", "call_id": "call_9", "output": "x"}]}, "input", "input[0]"),
 ])
 def test_bad_requests_are_400s_naming_the_field(client, body, param, fragment):
     with pytest.raises(openai.BadRequestError) as err:
         _create(client, **body)
     error = err.value.body
-    assert (param is None or error["param"] == param) and fragment in error["message"], error
+    assert error["param"] == param and fragment in error["message"], error
     assert _create(client, max_output_tokens=2).usage.output_tokens == 2  # still serving
 
 
