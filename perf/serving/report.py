@@ -82,7 +82,8 @@ def print_table(doc: dict[str, Any], out: TextIO, percentiles: Sequence[float]) 
         out.write(f"{name:<{w}}{_fmt(v, nd):>14}\n")
 
     out.write(f"{' Serving Benchmark Result ':=^{w + 14}}\n")
-    row("Server / workload", f"{doc.get('label')} / {doc.get('workload')}")
+    shape = " (agentx shape)" if doc.get("request_shape") == "agentx" else ""
+    row("Server / workload", f"{doc.get('label')} / {doc.get('workload')}{shape}")
     row("Max concurrency", doc.get("max_concurrency"))
     row("Successful requests", doc["completed"])
     row("Failed requests", doc["failed"])

@@ -24,6 +24,14 @@ writes; the example perf/traces/agentx_example.jsonl is one); a `.json` file hol
 directory holds one `.json` per trace (what AIPerf's `--custom-dataset-type weka_trace
 --input-file DIR` reads; `--format weka-dir` writes it).
 
+The example (synthetic: 8 trees, 57 requests, sized for the tiny test model's 1024-token context
+with room for the chat format's markup) was written by
+
+    ringserve bench gen-trace --url unused --format weka --out perf/traces/agentx_example.jsonl \
+        --num-sessions 8 --turns 3,8 --first-turn-tokens 128,256 --append-tokens 16,64 --max-context 448 \
+        --short-output 8,24 --long-output 32,96 --think-s 0.05,0.5 --fork-prob 0.15 --subagent-turns 1,3 \
+        --subagent-first-tokens 64,128 --seed 0
+
 Delays: a request's pause is its `think_time`, else the idle gap since the previous request of
 its session ended (`t` − previous `t` − previous `api_time`), as AIPerf's replay computes it. The
 writer records no `api_time`, and sets each `t` to the previous request's `t` plus the think time

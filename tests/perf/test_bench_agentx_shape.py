@@ -183,3 +183,17 @@ def test_example_trace_is_a_weka_trace_with_reasoning_and_tool_turns(tmp_path):
     trace.write_trace(flat, trees)
     back, bs, fmt = weka.read_any(flat)
     assert (fmt, bs) == ("flat", None) and len([r for t in back for r in t.all_requests()]) == len(reqs)
+
+
+def test_cli_refuses_what_the_agentx_shape_cannot_send(tmp_path, capsys):
+    from perf.serving import cli
+
+    base = ["serve", "--url", "http://127.0.0.1:9", "--request-shape", "agentx", "--disable-tqdm"]
+    assert cli.main([*base, "--workload", "agentx", "--endpoint", "completions"]) == 2
+    assert "use --endpoint chat" in capsys.readouterr().err
+    assert cli.main([*base, "--workload", "fixed"]) == 2
+    assert "needs a session workload" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"id": "x", "block_size": 64, "requests": []}')
+    assert cli.main([*base, "--model", "m", "--workload", "trace", "--trace", str(bad)]) == 2
+    assert capsys.readouterr().err.startswith(f"ringserve bench: error: {bad}: bad Weka trace: ValueError('no top-level")
