@@ -240,3 +240,26 @@ def _done(value):
     future = Future()
     future.set_result(value)
     return future
+
+
+def test_v41_with_dspark_keeps_the_grammar(tmp_path_factory):
+    """DeepSeek-V4.1 (a random four-layer release-format checkpoint): schemas validate with
+    DSpark drafting and verifying (drafts the grammar forbids are rejected)."""
+    from tokenizers import Tokenizer
+
+    from engine.v41.checkpoint import write_v41_checkpoint
+
+    layers = dict(num_hidden_layers=4, compress_ratios=[0, 2, 1, 1, 0], kv_source_layer_ids=[1, 2],
+                  index_source_layer_ids=[1, 2, 3], candidate_source_layer_id=2, engram_layer_ids=[0, 1],
+                  dspark_target_layer_ids=[1, 2, 3], num_nextn_predict_layers=1)
+    path = write_v41_checkpoint(tmp_path_factory.mktemp("v41-structured") / "tiny", "tiny", seed=5, **layers)
+    model = load_model(path, progress=False)
+    tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+    names = ["enum", "pattern"]
+    engine = _engine(model, max_num_seqs=4, speculative_tokens=model.cfg.v41.dspark_block_size,
+                     adaptive_speculation=False)
+    tokens, finished = _run(engine, _json_requests(tokenizer, 0.0, names))
+    assert all(f.reason == "stop" for f in finished.values())
+    assert engine.stats.spec_drafts > 0
+    for i, name in enumerate(names):
+        jsonschema.validate(json.loads(tokenizer.decode(tokens[i])), SCHEMAS[name])
