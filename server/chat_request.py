@@ -111,7 +111,7 @@ def parse_tools(tools: Any, where: str) -> list[dict] | None:
             raise ProtocolError(f"'{spot}.function.parameters' must be a JSON Schema object", where, "invalid_value")
         from .structured import check_schema
 
-        check_schema(parameters, f"{spot}.function.parameters", enforced=False)  # see `check_forced_tools`
+        check_schema(parameters, f"{spot}.function.parameters", enforced=False, param=where)  # see `check_forced_tools`
     return tools or None
 
 
@@ -124,7 +124,7 @@ def check_forced_tools(chat: ChatRequest) -> None:
         return
     for i, tool in enumerate(chat.tools or []):
         if chat.forced_tool in (None, tool["function"]["name"]):
-            check_schema(tool["function"].get("parameters", {}), f"tools[{i}].function.parameters")
+            check_schema(tool["function"].get("parameters", {}), f"tools[{i}].function.parameters", param="tools")
 
 
 def parse_tool_choice(choice: Any, tools: list[dict] | None, where: str) -> str | dict:

@@ -30,6 +30,7 @@ class ChoiceState:
     error_code: int = 0
     prompt: PromptLogprobs | None = None  # prompt scores, when the request asked for them
     cached_tokens: int = 0  # prompt tokens the prefix cache supplied (from the Finished)
+    stop_string: str | None = None  # the stop string that ended the choice (Anthropic's stop_sequence)
 
 
 class ChoiceStream:
@@ -78,6 +79,7 @@ class ChoiceStream:
     def _release(self, final: bool) -> str:
         hit = self._find_stop()
         if hit is not None:
+            hit, self.state.stop_string = hit
             out, self.pending = self.pending[:hit], ""
             self.stopped = True
             self.state.finish_reason = "stop"
@@ -89,13 +91,14 @@ class ChoiceStream:
         self.state.text += out
         return out
 
-    def _find_stop(self) -> int | None:
-        """Position in `pending` where the earliest stop string starts (it may begin in held text)."""
+    def _find_stop(self) -> tuple[int, str] | None:
+        """(position in `pending`, string) of the earliest stop string (it may begin in held text);
+        of two starting at one place, the first listed."""
         best = None
         for s in self.stop:
             i = self.pending.find(s)
-            if i != -1 and (best is None or i < best):
-                best = i
+            if i != -1 and (best is None or i < best[0]):
+                best = (i, s)
         return best
 
 

@@ -131,9 +131,9 @@ def _schema_text(schema: Any, where: str, limits: StructuredLimits) -> str:
     return json.dumps(schema, ensure_ascii=False)  # key order kept: it is the properties' order in the output
 
 
-def check_schema(schema: dict | bool, where: str, enforced: bool = True) -> None:
+def check_schema(schema: dict | bool, where: str, enforced: bool = True, param: str = "structured_outputs") -> None:
     """The schema is valid against its meta-schema and (`enforced`: a grammar will be made of
-    it) uses only keywords xgrammar enforces."""
+    it) uses only keywords xgrammar enforces. Errors name `param`, the request field holding it."""
     import jsonschema
 
     try:
@@ -141,28 +141,28 @@ def check_schema(schema: dict | bool, where: str, enforced: bool = True) -> None
     except jsonschema.SchemaError as exc:
         path = "/".join(str(p) for p in exc.path)
         raise ProtocolError(f"'{where}' is not a valid JSON Schema: {exc.message}" + (f" (at {path})" if path else ""),
-                            "structured_outputs", "invalid_value") from None
+                            param, "invalid_value") from None
     except RecursionError:
-        raise ProtocolError(f"'{where}' is nested too deeply", "structured_outputs", "invalid_value") from None
-    bad = sorted(set(_unenforced(schema, 0)))
+        raise ProtocolError(f"'{where}' is nested too deeply", param, "invalid_value") from None
+    bad = sorted(set(_unenforced(schema, 0, param)))
     if bad and enforced:
         raise ProtocolError(f"'{where}' uses JSON Schema keywords structured outputs cannot enforce: {', '.join(bad)}",
-                            "structured_outputs", "unsupported")
+                            param, "unsupported")
 
 
-def _unenforced(node: Any, depth: int):
+def _unenforced(node: Any, depth: int, param: str):
     if depth > MAX_SCHEMA_DEPTH:
-        raise ProtocolError(f"the JSON Schema is nested more than {MAX_SCHEMA_DEPTH} levels deep", "structured_outputs",
+        raise ProtocolError(f"the JSON Schema is nested more than {MAX_SCHEMA_DEPTH} levels deep", param,
                             "invalid_value")
     if isinstance(node, dict):
         for key, value in node.items():
             if key in UNENFORCED_KEYWORDS or (key == "uniqueItems" and value is True):
                 yield key
             if key not in ("enum", "const", "examples", "default"):  # values there are data, not schemas
-                yield from _unenforced(value, depth + 1)
+                yield from _unenforced(value, depth + 1, param)
     elif isinstance(node, list):
         for item in node:
-            yield from _unenforced(item, depth + 1)
+            yield from _unenforced(item, depth + 1, param)
 
 
 # ---- the compile check ---------------------------------------------------------------------------

@@ -74,10 +74,7 @@ class Translation:
     sources: list[str] = field(default_factory=list)  # per chat message: where it came from ("messages[2]")
 
     def error(self, exc: ProtocolError) -> ProtocolError:
-        param = exc.param
-        if param == "structured_outputs" and "tools[" in exc.message:  # a tool's parameters schema
-            param = "tools"
-        message, param = exc.message, self.params.get(param, param)
+        message, param = exc.message, self.params.get(exc.param, exc.param)
         for ours, theirs in self.renames:
             message = message.replace(ours, theirs)
         # messages[N] of the chat body → the place in this API's request that produced it
@@ -144,16 +141,8 @@ class ChatRun:
         return "tool_calls" if reason == "stop" and self.tools_called else reason
 
     def stop_sequence(self) -> str | None:
-        """The stop string that ended the output, or None. The text before it is the choice's
-        text; the whole decoded output holds the string right after it."""
-        choice = self.gen.choices[0]
-        if not choice.stopped or not choice.stop:
-            return None
-        emitted = len(choice.state.text)
-        full = self.state.tokenizer.decode(choice.state.token_ids,
-                                           skip_special_tokens=not self.output.keeps_special_tokens)
-        hits = [(pos, i) for i, stop in enumerate(choice.stop) if (pos := full.find(stop, emitted)) >= 0]
-        return choice.stop[min(hits)[1]] if hits else None
+        """The stop string that ended the output, or None."""
+        return self.gen.choices[0].state.stop_string if self.gen is not None else None
 
     @property
     def prompt_tokens(self) -> int:

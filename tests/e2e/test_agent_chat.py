@@ -167,7 +167,7 @@ def test_tokenize_renders_deepseeks_prompt(served, case):
     ({"reasoning_effort": "low"}, "reasoning_effort", "'high', 'max'"),
     ({"chat_template_kwargs": {"temperature": 1}}, "chat_template_kwargs", "may set only"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools", "letters"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "frob"}}}]}, "structured_outputs",
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "frob"}}}]}, "tools",
      "not a valid JSON Schema"),
     ({"tools": [WEATHER] * 2}, "tools", "twice"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",

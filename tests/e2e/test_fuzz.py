@@ -52,8 +52,12 @@ def test_no_server_errors(api_schema, fuzz_server, mode):
     def check(case):
         body = case.body if isinstance(case.body, dict) else None
         if body is not None and case.path.startswith("/v1/"):
-            body["max_tokens"] = 4  # keep generation short; the fuzzing is about parsing
-            body.pop("max_completion_tokens", None)
+            # keep generation short; the fuzzing is about parsing
+            if case.path.startswith("/v1/responses"):
+                body["max_output_tokens"] = 4
+            else:
+                body["max_tokens"] = 4
+                body.pop("max_completion_tokens", None)
             body.pop("stream", None)
         response = case.call(base_url=fuzz_server.url, headers=headers, timeout=60)
         seen["cases"] += 1
