@@ -93,6 +93,7 @@ class FusedDecoder:
         self._moe_kernels: dict[int, tuple[list, DecodeMoE | None]] = {}
         self._programs: dict[int, tuple[DecodeBatch, StepProgram | None]] = {}  # id(batch) → its program
         self._rope: tuple | None = None  # RoPE tables [P, r/2] (main cos, sin, compress cos, sin)
+        self._bf16: dict = {}  # bf16 copies of the bf16-exact dense weights the programs read
         # Test/bench hook: called with the layer index before each layer, None after the last.
         self.on_layer = None
 
@@ -101,7 +102,7 @@ class FusedDecoder:
         """DeepseekV4.forward(batch.token_ids, batch.positions, batch): final streams [T, n, D]."""
         program = self.program(batch)
         if program is not None:
-            return program.run()[0]
+            return program.run(with_logits=False)[0]
         model = self.model
         meta = StepMeta.build(batch, model.cfg, model.rope_compress, self.spans)
         rope = model.step_rope(batch.positions)
@@ -131,7 +132,7 @@ class FusedDecoder:
         cached = self._programs.get(id(batch))
         if cached is not None and cached[0] is batch and (cached[1] is None or cached[1].valid()):
             return cached[1]
-        program = StepProgram.build(self, batch, self._rope_tables)
+        program = StepProgram.build(self, batch, self._rope_tables, self._bf16)
         self._programs[id(batch)] = (batch, program)
         return program
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from numba import get_num_threads, njit, prange
 
-from kernels.cpu_numerics import F32, borrow
+from kernels.cpu_numerics import F32, U32, bits_f32, borrow
 from kernels.cpu_precision import bf16_operands
 
 # Activation rows up to which the row kernel beats sgemm on a weight streamed from memory. At 4
@@ -48,6 +48,36 @@ def _gemv(w_arg, a_arg, out_arg, per):
     n = w.shape[0]
     for task in prange((n + per - 1) // per):
         _dot_rows(w, a, task * per, min(n, (task + 1) * per), out)
+
+
+@njit(cache=True, error_model="numpy", fastmath=_DOT_MATH)
+def _dot_rows_bf16(w, a, r0, r1, out):
+    """_dot_rows on a weight held as bf16 bits (uint16 [N, K]): half the bytes of its fp32 copy,
+    the same products when the fp32 weight is bf16-exact (a bf16 checkpoint's)."""
+    k = w.shape[1]
+    for r in range(r0, r1):
+        for i in range(a.shape[0]):
+            acc = F32(0)
+            for j in range(k):
+                acc += bits_f32(U32(U32(w[r, j]) << U32(16))) * a[i, j]
+            out[i, r] = acc
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def _gemv_bf16(w_arg, a_arg, out_arg, per):
+    """out [M, N] = a [M, K] @ bf16 w [N, K]^T in fp32, weight rows in tasks of `per`."""
+    w, a, out = borrow(w_arg), borrow(a_arg), borrow(out_arg)
+    n = w.shape[0]
+    for task in prange((n + per - 1) // per):
+        _dot_rows_bf16(w, a, task * per, min(n, (task + 1) * per), out)
+
+
+def bf16_copy(weight: torch.Tensor) -> torch.Tensor | None:
+    """The bf16 bits (uint16, same shape) of an fp32 weight whose every value is a bf16, or None."""
+    half = weight.detach().to(torch.bfloat16)
+    if not torch.equal(half.float(), weight.detach()):
+        return None
+    return half.view(torch.uint16)
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -36,7 +36,7 @@ from kernels.cpu_step_layout import (ATTN_NORM, ATTN_SCALE, BAD_KEYS, BAD_SLOT, 
                                      C_ENTRIES, C_EPS, C_NORM, C_OVERLAP, C_SPAN_SLOT, C_STATE, C_WIDTH, CHUNK,
                                      COMP_C_C, COMP_C_P, COMP_COS, COMP_SIN, COMP_Z_C, COMP_Z_P, EMBED, EPS, FFN_NORM,
                                      HC, HIDDEN, HC_A_BASE, HC_A_FN, HC_A_SCALE, HC_EPS, HC_F_BASE, HC_F_FN, HC_F_SCALE, HEAD,
-                                     HEAD_BASE, HEAD_DIM, HEAD_FN, HEAD_PER, HEAD_SCALE, HEADS, I_APE, I_DIM, I_EPS,
+                                     HEAD_BASE, HEAD_DIM, HEAD_FN, HEAD_SCALE, HEADS, I_APE, I_DIM, I_EPS,
                                      I_HEADS, I_KEY_RECORDS, I_KEYS, I_KEYS_PER_BLOCK, I_NORM, I_SPAN_SLOT, I_STATE,
                                      I_TOPK, I_WIDTH, IDX_C_C, IDX_C_P, IDX_W_C, IDX_W_P, IDX_Z_C, IDX_Z_P, INDEX_SCALE,
                                      INDEX_WEIGHT_SCALE, INDEXED, IQ_C, IQ_P, ITERS, KIND, KV_C, KV_NORM, KV_P, LANES,
@@ -49,12 +49,12 @@ from kernels.cpu_step_tables import ratio_tables, rope_rows, span_rows, window_t
 
 
 @njit(cache=True, error_model="numpy")
-def _products(lin, ids, x, f2, u2):
+def _products(lin, ids, x, arrays):
     """The outputs [T, N_p] of the products (lin rows `ids`) of one input x [T, K]."""
     outs = []
     for p in range(ids.shape[0]):
         out = np.empty((x.shape[0], lin[ids[p], N]), np.float32)
-        linear(lin, ids[p], x, out, f2, u2)
+        linear(lin, ids[p], x, out, arrays)
         outs.append(out)
     return outs
 
@@ -96,7 +96,7 @@ def _source(rows):
 
 
 @njit(cache=True, error_model="numpy")
-def _indexer(layer, layer_f, li, iq, w_raw, u2, full_table, counts, positions, ratio, lanes):
+def _indexer(layer, layer_f, li, iq, w_raw, arrays, full_table, counts, positions, ratio, lanes):
     """The indexer's picks for queries iq [B·q, Hi, dI]: entry slots int32 [B·q, k]
     (kernels/cpu_indexer.py's indexer_topk)."""
     b_n, q = positions.shape
@@ -119,7 +119,7 @@ def _indexer(layer, layer_f, li, iq, w_raw, u2, full_table, counts, positions, r
     idx = np.empty((b_n, q, topk), np.int32)
     slots = np.empty((b_n, q, topk), np.int32)
     width = max(widest, 1)
-    _indexer_topk(qf, w, hi, u2[layer[li, I_KEY_RECORDS]], 0, full_table, per_block, counts, positions, ratio, e_max,
+    _indexer_topk(qf, w, hi, arrays[3][layer[li, I_KEY_RECORDS]], 0, full_table, per_block, counts, positions, ratio, e_max,
                   F32(layer_f[li, INDEX_SCALE]), idx, slots, np.empty((64, di), np.float32),
                   np.empty((hi4, 64), np.float32), np.empty((q, width), np.float32), np.empty(width, np.uint64),
                   np.empty(topk, np.int64))
@@ -127,12 +127,13 @@ def _indexer(layer, layer_f, li, iq, w_raw, u2, full_table, counts, positions, r
 
 
 @njit(cache=True, error_model="numpy")
-def _attention(layer, layer_f, li, x, cos, sin, tables, lin, grp, f1, f2, f3, u2, u3, lanes, threads, y):
+def _attention(layer, layer_f, li, x, cos, sin, tables, lin, grp, arrays, lanes, threads, y):
     """y [T, D] = the attention of x [T, D] (FusedDecoder.attention). Returns a status."""
+    f1, f2 = arrays[0], arrays[1]
     (positions, writes, window_slots, full_table, rows, completes, counts, ecos, esin, visible) = tables
     t, (b_n, q) = x.shape[0], positions.shape
     eps = layer_f[li, EPS]
-    outs = _products(lin, layer[li, X_0:X_0 + layer[li, X_COUNT]], x, f2, u2)
+    outs = _products(lin, layer[li, X_0:X_0 + layer[li, X_COUNT]], x, arrays)
     r = layer[li, Q_LORA]
     q_lora = _member(outs, layer[li, Q_LORA_P], layer[li, Q_LORA_C], r)
     q_res = _norm_rope(q_lora.reshape(t, 1, r), 1, f1[layer[li, Q_NORM]], eps, np.zeros((1, 0), np.float32),
@@ -147,11 +148,11 @@ def _attention(layer, layer_f, li, x, cos, sin, tables, lin, grp, f1, f2, f3, u2
     indexed = layer[li, INDEXED] != 0
     q_outs = outs
     if indexed:
-        q_outs = _products(lin, layer[li, QI_0:QI_0 + layer[li, QI_COUNT]], q_res, f2, u2)
+        q_outs = _products(lin, layer[li, QI_0:QI_0 + layer[li, QI_COUNT]], q_res, arrays)
         q_all = _member(q_outs, layer[li, Q_P], layer[li, Q_C], heads * hd)
     else:
         q_all = np.empty((t, heads * hd), np.float32)
-        linear(lin, layer[li, WQ_B], q_res, q_all, f2, u2)
+        linear(lin, layer[li, WQ_B], q_res, q_all, arrays)
     qh = _norm_rope(q_all.reshape(t, heads, hd), 2, np.zeros(1, np.float32), eps, cos, sin, False, lanes)
     esrc, etab = _source(window), np.empty((t, 0), np.int32)
     if layer[li, KIND] != SWA:
@@ -180,7 +181,7 @@ def _attention(layer, layer_f, li, x, cos, sin, tables, lin, grp, f1, f2, f3, u2
             iq = _norm_rope(_member(q_outs, layer[li, IQ_P], layer[li, IQ_C], hi * di).reshape(t, hi, di), 0,
                             np.zeros(1, np.float32), 0.0, cos, sin, False, lanes)
             etab = _indexer(layer, layer_f, li, iq,
-                            _member(outs, layer[li, IDX_W_P], layer[li, IDX_W_C], hi), u2, full_table, counts[rs],
+                            _member(outs, layer[li, IDX_W_P], layer[li, IDX_W_C], hi), arrays, full_table, counts[rs],
                             positions, ratio, lanes)
         else:
             etab = visible[rs]
@@ -206,13 +207,13 @@ def _attention(layer, layer_f, li, x, cos, sin, tables, lin, grp, f1, f2, f3, u2
     for gi in range(g):
         ends[gi] = (gi + 1) * t
     out_g = np.zeros((g * t, grp[layer[li, WO_A], N]), np.float32)            # [G·T, O]
-    grouped(grp, layer[li, WO_A], grouped_rows, ends, out_g, f3, u3)
+    grouped(grp, layer[li, WO_A], grouped_rows, ends, out_g, arrays)
     o_lora = out_g.shape[1]
     low = np.empty((t, g * o_lora), np.float32)                               # [T, G·O]
     for gi in range(g):
         for r in range(t):
             low[r, gi * o_lora:(gi + 1) * o_lora] = out_g[gi * t + r]
-    linear(lin, layer[li, WO_B], low, y, f2, u2)
+    linear(lin, layer[li, WO_B], low, y, arrays)
     return OK
 
 
@@ -257,11 +258,13 @@ def _step_tables(step, step_ratios, step_spans, batch, f2):
 
 
 @njit(cache=True, error_model="numpy")
-def run_step(layer, layer_f, step, step_f, step_ratios, step_spans, lin, grp, f1, f2, f3, u2, u3, i2, batch,
-             streams_out, logits):
-    """The decode step: streams_out [T, n·D] (the final streams) and logits [T, V]. batch: the
-    DecodeBatch's views (token_ids, positions, start, full_table, sliding_table, sliding_first).
+def run_step(layer, layer_f, step, step_f, step_ratios, step_spans, lin, grp, arrays, batch, streams_out, logits,
+             with_logits):
+    """The decode step: streams_out [T, n·D] (the final streams) and, with_logits, logits [T, V].
+    batch: the DecodeBatch's views (token_ids, positions, start, full_table, sliding_table,
+    sliding_first). arrays: the typed lists (f1, f2, f3, u2, u3, i2, h2, h3; kernels/cpu_step_layout.py).
     Returns a status (kernels/cpu_step_layout.py)."""
+    f1, f2 = arrays[0], arrays[1]
     (token_ids, positions, writes, window_slots, full_table, rows, completes, counts, ecos, esin,
      visible) = _step_tables(step, step_ratios, step_spans, batch, f2)
     t, n, d = token_ids.shape[0], step[HC], streams_out.shape[1] // step[HC]
@@ -286,20 +289,20 @@ def run_step(layer, layer_f, step, step_f, step_ratios, step_spans, lin, grp, f1
         post, comb, x = _mix(streams, f2[layer[li, HC_A_FN]], f1[layer[li, HC_A_BASE]], f1[layer[li, HC_A_SCALE]],
                              f1[layer[li, ATTN_NORM]], step, step_f, layer_f, li)
         cos, sin = (main_cos, main_sin) if layer[li, ROPE] == ROPE_MAIN else (comp_cos, comp_sin)
-        status = _attention(layer, layer_f, li, x, cos, sin, tables, lin, grp, f1, f2, f3, u2, u3, lanes, step[THREADS],
-                            y)
+        status = _attention(layer, layer_f, li, x, cos, sin, tables, lin, grp, arrays, lanes, step[THREADS], y)
         if status != OK:
             return status
         mixed = np.empty((t, n * d), np.float32)
         _expand_kernel(streams, y, post, comb, mixed)
         post, comb, x = _mix(mixed, f2[layer[li, HC_F_FN]], f1[layer[li, HC_F_BASE]], f1[layer[li, HC_F_SCALE]],
                              f1[layer[li, FFN_NORM]], step, step_f, layer_f, li)
-        status = moe(layer, layer_f, li, x, token_ids, lin, grp, f1, f2, f3, u2, u3, i2, step[CHUNK],
-                     step[SOFTPLUS_CHUNK], step[TORCH_THREADS], y)
+        status = moe(layer, layer_f, li, x, token_ids, lin, grp, arrays, step[CHUNK], step[SOFTPLUS_CHUNK],
+                     step[TORCH_THREADS], y)
         if status != OK:
             return status
         _expand_kernel(mixed, y, post, comb, streams)
     streams_out[:] = streams
-    head(streams, f2[step[HEAD_FN]], f1[step[HEAD_BASE]], f1[step[HEAD_SCALE]], f1[step[NORM]], f2[step[HEAD]],
-         step[HEAD_PER], step_f[S_HC_EPS], step_f[S_EPS], step_f[S_EPS], lanes, logits)
+    if with_logits:
+        head(streams, f2[step[HEAD_FN]], f1[step[HEAD_BASE]], f1[step[HEAD_SCALE]], f1[step[NORM]], lin, step[HEAD],
+             arrays, step_f[S_HC_EPS], step_f[S_EPS], step_f[S_EPS], lanes, logits)
     return OK

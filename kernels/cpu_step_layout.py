@@ -1,9 +1,11 @@
 """Column names of the compiled CPU step's program tables (kernels/cpu_step_plan.py writes them,
 kernels/cpu_step.py and cpu_step_moe.py read them).
 
-`layer` is an int64 table, one row per decoder layer: array indices into the step's lists
-(f1: fp32 vectors, f2: fp32 matrices, u2: byte matrices, i2: int32 matrices), descriptor rows
-of kernels/cpu_step_linear.py (`lin` for plain and `grp` for grouped products), sizes and flags.
+`layer` is an int64 table, one row per decoder layer: array indices into the step's typed lists
+(`arrays` = (f1, f2, f3, u2, u3, i2, h2, h3): fp32 vectors, fp32 matrices, fp32 stacks, byte
+matrices, byte stacks, int32 matrices, bf16 matrices and bf16 stacks as uint16 bits), descriptor
+rows of kernels/cpu_step_linear.py (`lin` for plain and `grp` for grouped products; the LM head
+is a `lin` row), sizes and flags.
 `layer_f` holds the float parameters; `step` (one int64 row) and `step_f` the step's own.
 -1 marks an absent array or product.
 """
@@ -60,10 +62,10 @@ LAYER_F_COLUMNS = 10
 
 # ---- step: int64 columns ----------------------------------------------------------------------
 _STEP = ("SEQS", "Q", "HC", "HIDDEN", "WINDOW_LEN", "BLOCK", "ITERS", "LANES", "CHUNK", "SOFTPLUS_CHUNK", "TORCH_THREADS", "THREADS",
-         "MAX_CONTEXT", "VOCAB", "EMBED", "HEAD_FN", "HEAD_BASE", "HEAD_SCALE", "NORM", "HEAD", "HEAD_PER",
+         "MAX_CONTEXT", "VOCAB", "EMBED", "HEAD_FN", "HEAD_BASE", "HEAD_SCALE", "NORM", "HEAD",
          "MAIN_COS", "MAIN_SIN", "COMP_COS", "COMP_SIN", "RATIOS", "SPANS")
 (SEQS, Q, HC, HIDDEN, WINDOW_LEN, BLOCK, ITERS, LANES, CHUNK, SOFTPLUS_CHUNK, TORCH_THREADS, THREADS,
- MAX_CONTEXT, VOCAB, EMBED, HEAD_FN, HEAD_BASE, HEAD_SCALE, NORM, HEAD, HEAD_PER,
+ MAX_CONTEXT, VOCAB, EMBED, HEAD_FN, HEAD_BASE, HEAD_SCALE, NORM, HEAD,
  MAIN_COS, MAIN_SIN, COMP_COS, COMP_SIN, RATIOS, SPANS) = range(len(_STEP))
 STEP_COLUMNS = len(_STEP)
 # ratio slot r: step_ratios[r] = (m, visible entry columns); span slot s: step_spans[s] = span

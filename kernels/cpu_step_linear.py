@@ -10,9 +10,10 @@ changes is only that the row kernels serve every row count the step has (up to
 kernels/cpu_step_plan.MAX_ROWS); the op path hands products past their row limits to torch's
 sgemm, whose sums run in another order (fp32 ulps).
 
-A descriptor row: kind (DENSE, FP8, FP4; for stacks also DENSE_T, a dense stack stored so that
-its [E, K, N] transpose is contiguous, as engine/linear.py lays dense experts out on CPU), the
-weight's and the scales' indices in the step's array lists, the scale block (FP8: bN × bK; FP4: 1 × group), N, K, and `per`: 0 runs the kernel
+A descriptor row: kind (DENSE, FP8, FP4; DENSE_BF16: a dense fp32 weight whose values are all
+bf16, read from a bf16 copy at half the bytes; for stacks also DENSE_T, a dense stack stored so
+that its [E, K, N] transpose is contiguous, as engine/linear.py lays dense experts out on CPU),
+the weight's and the scales' indices in the step's array lists, the scale block (FP8: bN × bK; FP4: 1 × group), N, K, and `per`: 0 runs the kernel
 body on the calling thread (a parallel launch costs ~3 µs even on one thread, more than a small
 product), > 0 runs the parallel kernel with `per` weight rows a task.
 """
@@ -24,7 +25,7 @@ from numba import njit
 from kernels import cpu_gemv
 from kernels import cpu_quant_gemm as q
 
-DENSE, FP8, FP4, DENSE_T = 0, 1, 2, 3
+DENSE, FP8, FP4, DENSE_T, DENSE_BF16 = 0, 1, 2, 3, 4
 KIND, W, S, BN, BK, N, K, PER = range(8)
 COLUMNS = 8
 
@@ -56,10 +57,18 @@ def _dense_t_rows(wt, a, out):
 
 
 @njit(cache=True, error_model="numpy")
-def linear(desc, i, x, out, f2, u2):
-    """out [M, N] = x [M, K] @ W^T for descriptor row i (W in f2 when dense, codes in u2)."""
+def linear(desc, i, x, out, arrays):
+    """out [M, N] = x [M, K] @ W^T for descriptor row i (W in f2 when dense, in h2 as bf16 bits,
+    codes in u2; `arrays`: the step's lists, kernels/cpu_step_layout.py)."""
+    f2, u2, h2 = arrays[1], arrays[3], arrays[6]
     kind, n, per = desc[i, KIND], desc[i, N], desc[i, PER]
-    if kind == DENSE:
+    if kind == DENSE_BF16:
+        w = h2[desc[i, W]]
+        if per:
+            cpu_gemv._gemv_bf16(w, x, out, per)
+        else:
+            cpu_gemv._dot_rows_bf16(w, x, 0, n, out)
+    elif kind == DENSE:
         w = f2[desc[i, W]]
         if per:
             cpu_gemv._gemv(w, x, out, per)
@@ -83,15 +92,21 @@ def linear(desc, i, x, out, f2, u2):
 
 
 @njit(cache=True, error_model="numpy")
-def grouped(desc, i, a, ends, out, f3, u3):
+def grouped(desc, i, a, ends, out, arrays):
     """Rows [ends[e-1], ends[e]) of a [S, K] through expert (or group) e of descriptor row i's
     stack: out [S, N]. Every expert with rows runs the row kernel, however many rows it has;
     returns -1 when ends are not non-decreasing within [0, S] (nothing done), else 0."""
+    f3, u3, h3 = arrays[2], arrays[4], arrays[7]
     kind, n, per = desc[i, KIND], desc[i, N], desc[i, PER]
     active, first, bad = q._active_experts(ends, a.shape[0] + 1, a.shape[0])
     if bad < 0:
         return -1
-    if kind == DENSE or kind == DENSE_T:
+    if kind == DENSE_BF16:
+        wb = h3[desc[i, W]]
+        for t in range(active.shape[0]):
+            e = active[t]
+            cpu_gemv._dot_rows_bf16(wb[e], a[first[t]:ends[e]], 0, n, out[first[t]:ends[e]])
+    elif kind == DENSE or kind == DENSE_T:
         w = f3[desc[i, W]]
         for t in range(active.shape[0]):
             e = active[t]

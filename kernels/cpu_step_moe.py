@@ -43,8 +43,9 @@ def dense_rows(w, x, out, per):
 
 
 @njit(cache=True, error_model="numpy")
-def _route(layer, layer_f, li, scores, token_ids, f1, i2, ids, weights):
+def _route(layer, layer_f, li, scores, token_ids, arrays, ids, weights):
     """ids, weights [T, k] of every token: the hash table's ids or the top-k of scores + bias."""
+    f1, i2 = arrays[0], arrays[5]
     t_count, num_experts = scores.shape
     k = ids.shape[1]
     if layer[li, TID2EID] >= 0:
@@ -79,18 +80,18 @@ def _rows(a, first, count):
 
 
 @njit(cache=True, error_model="numpy")
-def moe(layer, layer_f, li, x, token_ids, lin, grp, f1, f2, f3, u2, u3, i2, chunk, softplus_chunk, threads, out):
+def moe(layer, layer_f, li, x, token_ids, lin, grp, arrays, chunk, softplus_chunk, threads, out):
     """out [T, H] = the MoE layer of x [T, H] (fp32). chunk / softplus_chunk / threads: torch's
     elementwise layout (kernels/cpu_step_math.py). Returns a status (layout.OK when done)."""
     t_count, hidden = x.shape
     num_experts, k, inter = layer[li, EXPERTS], layer[li, TOPK], layer[li, INTER]
     logits = np.empty((t_count, num_experts), np.float32)                   # [T, E]
-    dense_rows(f2[layer[li, GATE]], x, logits, layer[li, GATE_PER])
+    dense_rows(arrays[1][layer[li, GATE]], x, logits, layer[li, GATE_PER])
     scores = np.empty((t_count, num_experts), np.float32)
     router_scores(logits, scores, softplus_chunk, threads)
     ids = np.empty((t_count, k), np.int32)
     weights = np.empty((t_count, k), np.float32)
-    status = _route(layer, layer_f, li, scores, token_ids, f1, i2, ids, weights)
+    status = _route(layer, layer_f, li, scores, token_ids, arrays, ids, weights)
     if status != OK:
         return status
     s = t_count * k
@@ -106,17 +107,17 @@ def moe(layer, layer_f, li, x, token_ids, lin, grp, f1, f2, f3, u2, u3, i2, chun
     has_shared = layer[li, SH_COUNT] > 0
     h = np.zeros((s + (t_count if has_shared else 0), 2 * inter), np.float32)   # [T·k (+ T), 2I]
     routed_h = np.zeros((s, 2 * inter), np.float32)
-    if grouped(grp, layer[li, W13], slots, ends, routed_h, f3, u3) < 0:
+    if grouped(grp, layer[li, W13], slots, ends, routed_h, arrays) < 0:
         return BAD_ENDS
     h[:s] = routed_h
     if has_shared:
         shared_h = np.empty((t_count, 2 * inter), np.float32)
         if layer[li, SH_COUNT] == 1:
-            linear(lin, layer[li, SH_0], x, shared_h, f2, u2)
+            linear(lin, layer[li, SH_0], x, shared_h, arrays)
         else:                                                                # w1 and w3 apart
             gate, up = np.empty((t_count, inter), np.float32), np.empty((t_count, inter), np.float32)
-            linear(lin, layer[li, SH_0], x, gate, f2, u2)
-            linear(lin, layer[li, SH_1], x, up, f2, u2)
+            linear(lin, layer[li, SH_0], x, gate, arrays)
+            linear(lin, layer[li, SH_1], x, up, arrays)
             shared_h[:, :inter] = gate
             shared_h[:, inter:] = up
         h[s:] = shared_h
@@ -132,18 +133,19 @@ def moe(layer, layer_f, li, x, token_ids, lin, grp, f1, f2, f3, u2, u3, i2, chun
             swiglu_rows(_rows(h, s, t_count), layer_f[li, LIMIT_SHARED], shared_act, chunk, threads)
             act[s:] = shared_act
     y = np.zeros((s, hidden), np.float32)                                    # [T·k, H]
-    grouped(grp, layer[li, W2], _rows(act, 0, s), ends, y, f3, u3)
+    grouped(grp, layer[li, W2], _rows(act, 0, s), ends, y, arrays)
     shared = y
     if has_shared:
         shared = np.empty((t_count, hidden), np.float32)
-        linear(lin, layer[li, SH_W2], _rows(act, s, t_count), shared, f2, u2)
+        linear(lin, layer[li, SH_W2], _rows(act, s, t_count), shared, arrays)
     _moe_combine(y, weights, inverse, shared, has_shared, out, np.empty(hidden, np.float32))
     return OK
 
 
 @njit(cache=True, error_model="numpy")
-def head(streams, fn, base, scale, norm, weight, per, hc_eps, norm_eps, eps, lanes, logits):
-    """logits [T, V] of the final streams [T, n·D] (DeepseekV4.logits)."""
+def head(streams, fn, base, scale, norm, lin, head_row, arrays, hc_eps, norm_eps, eps, lanes, logits):
+    """logits [T, V] of the final streams [T, n·D] (DeepseekV4.logits); the LM head is lin row
+    head_row."""
     t_count, nd = streams.shape
     n = fn.shape[0]
     d = nd // n
@@ -163,4 +165,4 @@ def head(streams, fn, base, scale, norm, weight, per, hc_eps, norm_eps, eps, lan
         _collapse_token(row, pre, n, d, x[t], xf)
         _rms_weighted(xf, norm, eps, False, lanes, acc)
         x[t] = xf
-    dense_rows(weight, x, logits, per)
+    linear(lin, head_row, x, logits, arrays)

@@ -25,7 +25,8 @@ from numba.typed import List
 from kernels import cpu_quant_gemm as q
 from kernels import cpu_step_layout as L
 from kernels.cpu_step import run_step
-from kernels.cpu_step_linear import COLUMNS, DENSE, DENSE_T, FP4, FP8
+from kernels.cpu_gemv import bf16_copy
+from kernels.cpu_step_linear import COLUMNS, DENSE, DENSE_BF16, DENSE_T, FP4, FP8
 from kernels.cpu_step_math import CHUNK, SOFTPLUS_CHUNK
 from kernels.cpu_torch_sum import LANES
 
@@ -66,6 +67,8 @@ class _Arrays:
         self.u2 = List.empty_list(numba.uint8[:, ::1])
         self.u3 = List.empty_list(numba.uint8[:, :, ::1])
         self.i2 = List.empty_list(numba.int32[:, ::1])
+        self.h2 = List.empty_list(numba.uint16[:, ::1])
+        self.h3 = List.empty_list(numba.uint16[:, :, ::1])
         self.keep: list = []                     # tensors the views alias (kept alive)
         self.watch: list[tuple[dict, str, object]] = []   # (holder, key, object) checked before each run
 
@@ -78,6 +81,11 @@ class _Arrays:
         lst.append(arr)
         return len(lst) - 1
 
+    @property
+    def lists(self) -> tuple:
+        """The tuple run_step takes (kernels/cpu_step_layout.py's order)."""
+        return self.f1, self.f2, self.f3, self.u2, self.u3, self.i2, self.h2, self.h3
+
     def watch_param(self, module: torch.nn.Module, name: str) -> None:
         self.watch.append((module._parameters, name, module._parameters[name]))
 
@@ -88,18 +96,21 @@ class _Arrays:
 class StepProgram:
     """One static shape's compiled decode step over its `DecodeBatch`."""
 
-    def __init__(self):
+    def __init__(self, bf16_copies: dict):
         self.arrays = _Arrays()
+        self.bf16_copies = bf16_copies
         self.lin: list[list[int]] = []
         self.grp: list[list[int]] = []
 
     # ---- building ------------------------------------------------------------------------------
     @classmethod
-    def build(cls, decoder, batch, rope_tables) -> "StepProgram | None":
+    def build(cls, decoder, batch, rope_tables, bf16_copies: dict) -> "StepProgram | None":
         """The program of `batch`'s shape, or None where the compiled step does not apply.
-        rope_tables(positions) -> (main cos, main sin, compress cos, compress sin) fp32 [P, r/2]."""
+        rope_tables(positions) -> (main cos, main sin, compress cos, compress sin) fp32 [P, r/2];
+        bf16_copies: the bf16 copies of bf16-exact dense weights, shared by a model's programs
+        (weight → (weight, copy or None)), filled here."""
         try:
-            return cls()._build(decoder, batch, rope_tables)
+            return cls(bf16_copies)._build(decoder, batch, rope_tables)
         except Unsupported:
             return None
 
@@ -153,15 +164,33 @@ class StepProgram:
             return 0
         return q._rows_per_task(rows)
 
+    def _bf16(self, weight: torch.Tensor, param: torch.Tensor) -> torch.Tensor | None:
+        """The bf16 copy of a dense fp32 weight (a view of the parameter `param`) whose values are
+        all bf16, or None; made once per parameter object (a replaced parameter gets its own)."""
+        cached = self.bf16_copies.get(id(param))
+        if cached is None or cached[0] is not param:
+            cached = self.bf16_copies[id(param)] = (param, bf16_copy(weight))
+        return cached[1]
+
+    def _dense(self, w: torch.Tensor) -> int:
+        """A lin row for a dense fp32 weight parameter [N, K]: its bf16 copy where it is bf16-exact."""
+        if w.dtype != torch.float32:
+            raise Unsupported("a dense weight not in fp32")
+        a, half = self.arrays, self._bf16(w, w)
+        if half is not None:
+            desc = [DENSE_BF16, a.add("h2", half, np.uint16), -1, 1, 1, w.shape[0], w.shape[1],
+                    self._per(w.shape[0], w.numel() * 2)]
+        else:
+            desc = [DENSE, a.add("f2", w), -1, 1, 1, w.shape[0], w.shape[1], self._per(w.shape[0], w.numel() * 4)]
+        self.lin.append(desc)
+        return len(self.lin) - 1
+
     def _linear(self, m) -> int:
         """A lin row for Linear m (its format as stored); returns its index."""
         a, kind = self.arrays, _KINDS[m.fmt.kind]
         a.watch_param(m, "weight")
         if kind == DENSE:
-            w = m.weight
-            if w.dtype != torch.float32:
-                raise Unsupported("a dense weight not in fp32")
-            desc = [kind, a.add("f2", w), -1, 1, 1, w.shape[0], w.shape[1], self._per(w.shape[0], w.numel() * 4)]
+            return self._dense(m.weight)
         else:
             a.watch_param(m, "scale")
             p = m.cpu_prepared(m.weight, m.scale)
@@ -180,9 +209,13 @@ class StepProgram:
             if weight.dtype != torch.float32:
                 raise Unsupported("a dense stack not in fp32")
             e, n, k = weight.shape
-            if not weight.is_contiguous():                  # stored [E, K, N]-contiguous (relayout)
-                kind, weight = DENSE_T, weight.transpose(1, 2)
-            desc = [kind, a.add("f3", weight), -1, 1, 1, n, k, 0]
+            half = self._bf16(weight, m.weight) if weight.is_contiguous() else None
+            if half is not None:
+                desc = [DENSE_BF16, a.add("h3", half, np.uint16), -1, 1, 1, n, k, 0]
+            else:
+                if not weight.is_contiguous():              # stored [E, K, N]-contiguous (relayout)
+                    kind, weight = DENSE_T, weight.transpose(1, 2)
+                desc = [kind, a.add("f3", weight), -1, 1, 1, n, k, 0]
         else:
             a.watch_param(m, "scale")
             p = m.cpu_prepared(weight, scale)
@@ -318,8 +351,8 @@ class StepProgram:
         step[L.MAX_CONTEXT], step[L.VOCAB] = batch.max_context, cfg.vocab_size
         if model.head.dtype != torch.float32:
             raise Unsupported("an LM head not in fp32")
-        step[L.EMBED], step[L.HEAD] = a.add("f2", model.embed), a.add("f2", model.head)
-        step[L.HEAD_PER] = self._per(model.head.shape[0], model.head.numel() * 4)
+        a.watch_param(model, "head")
+        step[L.EMBED], step[L.HEAD] = a.add("f2", model.embed), self._dense(model.head)
         hh = model.hc_head
         step[L.HEAD_FN], step[L.HEAD_BASE], step[L.HEAD_SCALE] = a.add("f2", hh.fn), a.add("f1", hh.base), \
             a.add("f1", hh.scale)
@@ -329,22 +362,49 @@ class StepProgram:
         self.step = np.array(step, np.int64)
         self.step_f = np.array([cfg.rms_norm_eps, cfg.hc_eps], np.float64)
 
+    # ---- what a step reads -------------------------------------------------------------------------
+    def weight_bytes(self) -> dict[str, float]:
+        """Weight bytes one step must read, by kind: every plain product's weight and scales (dense,
+        bf16 copies, FP8, FP4; the LM head among them), the routers and one embedding row per
+        token, and for each stack its
+        active members: wo_a's every group, and of E routed experts the E·(1 − (1 − k/E)^T) a
+        step of T tokens touches on average when routing is uniform (exact at T = 1)."""
+        a, t = self.arrays, self.rows
+        out = {"dense": 0.0, "bf16": 0.0, "fp8": 0.0, "fp4": 0.0, "experts": 0.0, "router": 0.0}
+        names = {DENSE: "dense", DENSE_T: "dense", DENSE_BF16: "bf16", FP8: "fp8", FP4: "fp4"}
+        for kind, w, s, *_ in self.lin_table.tolist() if self.lin else []:
+            weight = {DENSE: a.f2, DENSE_BF16: a.h2}.get(kind, a.u2)[w]
+            out[names[kind]] += weight.nbytes + (a.u2[s].nbytes if kind in (FP8, FP4) else 0)
+        for index, (kind, w, s, *_) in enumerate(self.grp_table.tolist() if self.grp else []):
+            stack = {DENSE: a.f3, DENSE_T: a.f3, DENSE_BF16: a.h3}.get(kind, a.u3)[w]
+            member = stack[0].nbytes + (a.u3[s][0].nbytes if kind in (FP8, FP4) else 0)
+            e = stack.shape[0]
+            routed = index in set(self.layer[:, L.W13].tolist()) | set(self.layer[:, L.W2].tolist())
+            if routed:
+                k = int(self.layer[0, L.TOPK])
+                out["experts"] += member * e * (1 - (1 - k / e) ** t)
+            else:
+                out[names[kind]] += member * e
+        out["router"] = sum(a.f2[g].nbytes for g in self.layer[:, L.GATE].tolist())
+        out["router"] += t * a.f2[self.step[L.EMBED]][0].nbytes        # (and the embedding rows)
+        return out
+
     # ---- running ---------------------------------------------------------------------------------
     def valid(self) -> bool:
         """Whether every weight and pool is still the one the program views."""
         return self.arrays.unchanged()
 
-    def run(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """One step over the batch's current contents: (streams [T, n, D], logits [T, V]), the
-        program's own buffers (valid until the next run)."""
+    def run(self, with_logits: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One step over the batch's current contents: (streams [T, n, D], logits [T, V] or None
+        without them), the program's own buffers (valid until the next run)."""
         a = self.arrays
         self.step[L.TORCH_THREADS], self.step[L.THREADS] = torch.get_num_threads(), numba.get_num_threads()
         status = run_step(self.layer, self.layer_f, self.step, self.step_f, self.step_ratios, self.step_spans,
-                          self.lin_table, self.grp_table, a.f1, a.f2, a.f3, a.u2, a.u3, a.i2, self.batch,
-                          self.streams.numpy(), self.logits.numpy())
+                          self.lin_table, self.grp_table, a.lists, self.batch, self.streams.numpy(), self.logits.numpy(),
+                          with_logits)
         if status != L.OK:
             raise _error(status)
-        return self.streams.view(self.rows, self.hc, self.hidden), self.logits
+        return self.streams.view(self.rows, self.hc, self.hidden), self.logits if with_logits else None
 
 
 def _error(status: int) -> Exception:

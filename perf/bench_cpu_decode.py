@@ -2,9 +2,11 @@
 
 Variants, each an Engine on the same loaded weights (batch B: B prompts of --prompt-len prefilled
 in one step, then --steps decode steps; ms per decode step, and ms for that prefill step):
-  default  the engine on CPU with exact fp32 matmuls: decode steps on the static-shape fused forward
-           (engine/fused_decode.py) with the numba kernels of kernels/cpu_decode.py, weights kept
-           FP8/FP4 with decode-sized GEMMs on the fused row kernels
+  default  the engine on CPU with exact fp32 matmuls: decode steps on the static shapes, each one
+           compiled call (kernels/cpu_step.py) where it covers the shape (fp32, raw KV, <= 16
+           rows), else the fused forward op by op; weights kept FP8/FP4 on the fused row kernels
+  ops-step the static fused forward op by op (engine/fused_decode.py with the numba kernels of
+           kernels/cpu_decode.py; FusedDecoder.cpu_step off): the path before the compiled step
   ref-ops  as default, with kernels/cpu_decode.py's ops swapped for their torch references
            (kernels/decode_reference.py): what the numba kernels save
   per-seq  decode steps on the per-sequence path (`static_decode=False`, engine/attention.py's
@@ -23,6 +25,14 @@ Rounds interleave the variants (default, ref-ops, …) so a busy neighbour slows
 medians over --rounds. Ratios are variant / default (> 1: the default is faster). --dtype is
 the compute dtype (fp32: what `ringserve serve` runs on CPU).
 
+Then, per batch, where the default decode step goes (medians of --rounds runs): the engine's
+step; the model's forward and logits (StaticDecodeBackend.replay); the time inside the compiled
+call (`run_step`) and its share of the step (the rest is Python and dispatch: the engine's
+scheduling, sampling and output, and the op calls around the compiled step); and the roofline:
+the weight bytes the step must read (StepProgram.weight_bytes), the rate the compiled call
+reads them at, and how long they take at this machine's single-thread read rate (measured on
+a DRAM-sized and an L3-sized array) against the compiled call's time.
+
     python perf/bench_cpu_decode.py --model-dir .peer-cache/models/v4-tiny6 [--batch 1 16] [--threads 1]
         [--variants ref-ops per-seq tiled bf16] [--dtype fp32]
 """
@@ -35,24 +45,28 @@ import statistics
 import time
 from pathlib import Path
 
+import numba
+import numpy as np
 import torch
 
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.cuda_graphs import StaticDecodeBackend
 from engine.fused_decode import FusedDecoder
 from engine.linear import QuantWeight
 from engine.weights import load_model
 from ipc.messages import SamplingParams
-from kernels import cpu_decode, cpu_quant_gemm
+from kernels import cpu_decode, cpu_quant_gemm, cpu_step_plan
 from kernels.cpu_precision import matmul_precision
 from perf.bench_quant_gemm import tiled
 from perf.machine import header, set_cpu_threads
 
-VARIANTS = ["default", "ref-ops", "per-seq", "tiled", "ops-moe", "generic", "bf16", "bf16-mm"]
+VARIANTS = ["default", "ops-step", "ref-ops", "per-seq", "tiled", "ops-moe", "generic", "bf16", "bf16-mm"]
 
 
-def step_ms(model, batch: int, prompt_len: int, steps: int, static: bool = True) -> tuple[float, float]:
-    """(ms per decode step, ms of the prefill step before them): one measurement."""
+def step_ms(model, batch: int, prompt_len: int, steps: int, static: bool = True, on_decode=None) -> tuple[float, float]:
+    """(ms per decode step, ms of the prefill step before them): one measurement. on_decode(engine,
+    decode steps): called after the run."""
     engine = Engine(model, EngineConfig(max_num_seqs=batch, max_num_batched_tokens=batch * prompt_len,
                                         num_kv_blocks=batch * (-(-(prompt_len + steps) // 256) + 2) + 4,
                                         block_size=256, speculative_tokens=0,
@@ -64,11 +78,26 @@ def step_ms(model, batch: int, prompt_len: int, steps: int, static: bool = True)
     t0 = time.perf_counter()
     engine.step()                                            # the prefill (every prompt fits one step)
     prefill_ms = 1000 * (time.perf_counter() - t0)
+    if on_decode is not None:
+        on_decode(engine, 0)                                 # the prefill's share is not the decode's
     t0, n = time.perf_counter(), 0
     while engine.has_work:
         engine.step()
         n += 1
+    if on_decode is not None:
+        on_decode(engine, n)
     return 1000 * (time.perf_counter() - t0) / max(n, 1), prefill_ms
+
+
+@contextlib.contextmanager
+def switched(cls, name: str, value):
+    """cls.name = value for the duration (a FusedDecoder / QuantWeight switch)."""
+    saved = getattr(cls, name)
+    setattr(cls, name, value)
+    try:
+        yield
+    finally:
+        setattr(cls, name, saved)
 
 
 @contextlib.contextmanager
@@ -113,18 +142,104 @@ def run_variant(name: str, models: dict, batch: int, args) -> tuple[float, float
         return step_ms(models["bf16" if name == "bf16" else "auto"], batch, args.prompt_len, args.steps,
                        static=name != "per-seq")
     if name == "ref-ops":
-        with reference_ops():
+        with reference_ops(), switched(FusedDecoder, "cpu_step", False):
             return run()
     if name == "ops-moe":
-        with moe_op_by_op():
+        with moe_op_by_op(), switched(FusedDecoder, "cpu_step", False):
+            return run()
+    if name == "ops-step":
+        with switched(FusedDecoder, "cpu_step", False):
             return run()
     if name == "generic":
-        with generic_products():
+        with generic_products(), switched(FusedDecoder, "cpu_step", False):
             return run()
     if name == "bf16-mm":
-        with matmul_precision("bf16"):
+        with matmul_precision("bf16"), switched(FusedDecoder, "cpu_step", False):
             return run()
-    return tiled(run)() if name == "tiled" else run()
+    if name == "tiled":
+        with switched(FusedDecoder, "cpu_step", False):
+            return tiled(run)()
+    return run()
+
+
+class StepClock:
+    """Seconds inside the compiled call (kernels.cpu_step_plan.run_step) and in the model's
+    static replay, during an engine's decode steps."""
+
+    def __init__(self):
+        self.kernel = self.model = 0.0
+        self.steps = 0
+        self.program = None
+
+    @contextlib.contextmanager
+    def installed(self):
+        real_run, real_replay = cpu_step_plan.run_step, StaticDecodeBackend.replay
+
+        def run_step(*args):
+            t0 = time.perf_counter()
+            try:
+                return real_run(*args)
+            finally:
+                self.kernel += time.perf_counter() - t0
+
+        def replay(backend, shape):
+            t0 = time.perf_counter()
+            try:
+                return real_replay(backend, shape)
+            finally:
+                self.model += time.perf_counter() - t0
+
+        cpu_step_plan.run_step, StaticDecodeBackend.replay = run_step, replay
+        try:
+            yield self
+        finally:
+            cpu_step_plan.run_step, StaticDecodeBackend.replay = real_run, real_replay
+
+    def on_decode(self, engine, steps: int) -> None:
+        if steps == 0:
+            self.kernel = self.model = 0.0
+            return
+        self.steps = steps
+        programs = [p for _, p in engine.static.fused._programs.values() if p is not None]
+        self.program = max(programs, key=lambda p: p.rows, default=None)
+
+
+@numba.njit(cache=True, fastmath={"reassoc"})
+def _read(a):
+    s = np.float32(0)
+    for i in range(a.shape[0]):
+        s += a[i]
+    return s
+
+
+def read_gb_s(nbytes: int, repeats: int = 5) -> float:
+    """This thread's read rate over an fp32 array of `nbytes` (median of `repeats` passes)."""
+    a = np.ones(nbytes // 4, np.float32)
+    _read(a)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        _read(a)
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times) / 1e9
+
+
+def breakdown(models: dict, batch: int, args, dram: float, l3: float) -> str:
+    """One line: where the default decode step of `batch` goes (medians over --rounds runs)."""
+    rows = []
+    for _ in range(args.rounds):
+        clock = StepClock()
+        with clock.installed():
+            step, _ = step_ms(models["auto"], batch, args.prompt_len, args.steps, on_decode=clock.on_decode)
+        n = max(clock.steps, 1)
+        rows.append((step, 1000 * clock.model / n, 1000 * clock.kernel / n, clock.program))
+    step, model, kernel = (statistics.median(r[i] for r in rows) for i in range(3))
+    program = rows[-1][3]
+    if program is None or kernel == 0:
+        return f"{batch:5d} {step:8.2f} {model:8.2f}   (no compiled step at this batch: op path)"
+    mb = sum(program.weight_bytes().values()) / 1e6
+    return (f"{batch:5d} {step:8.2f} {model:8.2f} {kernel:8.2f} {100 * kernel / step:6.1f}% {100 * model / step:6.1f}% "
+            f"{mb:8.2f} {mb / kernel:8.1f} {mb / dram:8.2f} {mb / l3:8.2f} {100 * mb / l3 / kernel:6.1f}%")
 
 
 def main() -> None:
@@ -162,6 +277,13 @@ def main() -> None:
             med = {v: statistics.median(t[i] for t in ts) for v, ts in times.items()}
             print(f"{batch:5d} {phase:>7s} " + " ".join(f"{med[v]:10.1f}" for v in variants) + " "
                   + " ".join(f"{med[v] / med['default']:15.2f}x" for v in others), flush=True)
+    dram, l3 = read_gb_s(512 << 20), read_gb_s(16 << 20)
+    print(f"# where the default decode step goes (ms per step, medians of {args.rounds}); single-thread read rate: "
+          f"{dram:.1f} GB/s from a 512 MiB array, {l3:.1f} GB/s from 16 MiB")
+    print(f"{'batch':>5s} {'step':>8s} {'model':>8s} {'kernels':>8s} {'share':>7s} {'model%':>7s} {'weight MB':>8s} "
+          f"{'GB/s':>8s} {'ms@DRAM':>8s} {'ms@16MiB':>8s} {'roof':>7s}")
+    for batch in args.batch:
+        print(breakdown(models, batch, args, dram, l3), flush=True)
 
 
 if __name__ == "__main__":

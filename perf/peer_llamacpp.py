@@ -144,21 +144,90 @@ def server_command(binary: Path, gguf: Path, port: int, threads: int, slots: int
             "--alias", name]
 
 
-def make_model(out_dir: Path, seed: int = 0) -> Path:
-    """The issue's tiny DeepSeek-V4 for this comparison: the `small` preset at 6 layers (hidden 256,
-    64 experts top-6, head_dim 512, window 128), upstream layout, FP8 projections, FP4 experts."""
+_THREE_KINDS = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
+
+# Tiny DeepSeek-V4 geometries for the peer sweep (perf/compare_peer.py --geometries): preset
+# `small` plus these overrides, (layers, weights). They span hidden 128-1024, heads 4-32 ×
+# head_dim 64-512, index top-k 4-512, experts 8-128 (top-2..8), vocab 1k-32k. Weights
+# "fp8-fp4": FP8 projections, MXFP4 routed experts (the release's formats); "bf16": bf16
+# projections with MXFP4 routed experts (llama.cpp's converter takes DeepSeek-V4 experts in MXFP4
+# only).
+GEOMETRIES: dict[str, tuple[dict, int, str]] = {
+    # the `small` preset's attention (16 × 512, index 64 × 128 top-512): the README's checkpoint
+    "small6": ({}, 6, "fp8-fp4"),
+    # issue 41's: small heads, an index that picks 4 entries, a 1k vocabulary
+    "issue41": (dict(hidden_size=256, num_attention_heads=8, head_dim=128, qk_rope_head_dim=64, index_n_heads=4,
+                     index_head_dim=64, index_topk=4, vocab_size=1000), 6, "fp8-fp4"),
+    # narrow and bf16: 4 × 64 heads, 8 experts top-2, a 32k vocabulary (the LM head dominates)
+    "narrow-bf16": (dict(hidden_size=128, num_attention_heads=4, head_dim=64, qk_rope_head_dim=32, q_lora_rank=128,
+                         o_groups=2, o_lora_rank=64, index_n_heads=4, index_head_dim=32, index_topk=16,
+                         n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, vocab_size=32000),
+                    6, "bf16"),
+    # wide: hidden 1024, 32 × 64 heads, 128 experts top-8
+    "wide-fp8": (dict(hidden_size=1024, num_attention_heads=32, head_dim=64, qk_rope_head_dim=32, q_lora_rank=512,
+                      o_groups=8, o_lora_rank=256, index_n_heads=8, index_head_dim=64, index_topk=64,
+                      n_routed_experts=128, num_experts_per_tok=8, moe_intermediate_size=128, vocab_size=16384),
+                 4, "fp8-fp4"),
+    # mid-size and bf16: 16 × 256 heads, 32 experts top-4
+    "mid-bf16": (dict(hidden_size=512, num_attention_heads=16, head_dim=256, qk_rope_head_dim=64, q_lora_rank=384,
+                      o_groups=4, o_lora_rank=256, index_n_heads=16, index_head_dim=128, index_topk=128,
+                      n_routed_experts=32, num_experts_per_tok=4, moe_intermediate_size=256, vocab_size=4096),
+                 6, "bf16"),
+    # 12 × 128 heads, 16 experts top-2, FP8/FP4
+    "deep-fp8": (dict(hidden_size=768, num_attention_heads=12, head_dim=128, qk_rope_head_dim=64, q_lora_rank=384,
+                      o_groups=4, o_lora_rank=256, index_n_heads=8, index_head_dim=64, index_topk=32,
+                      n_routed_experts=16, num_experts_per_tok=2, moe_intermediate_size=256, vocab_size=2048),
+                 8, "fp8-fp4"),
+}
+
+
+def make_model(out_dir: Path, seed: int = 0, geometry: str = "small6") -> Path:
+    """A tiny DeepSeek-V4 of `geometry` (GEOMETRIES) in the upstream layout, with a tokenizer:
+    FP8 projections and FP4 experts, or bf16 weights, as the geometry says. The default is the
+    `small` preset at 6 layers (hidden 256, 64 experts top-6, head_dim 512, window 128)."""
     import torch
 
     sys.path.insert(0, str(REPO))
     from engine.checkpoint import preset_config, random_state, write_checkpoint
     from server.make_tokenizer import write_tokenizer
 
-    kinds = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"] * 2
-    cfg = preset_config("small", num_hidden_layers=6, layer_types=kinds, mlp_layer_types=["hash_moe"] + ["moe"] * 5)
+    if geometry not in GEOMETRIES:
+        raise PeerBuildError(f"unknown geometry {geometry!r}; choose from {', '.join(GEOMETRIES)}")
+    overrides, layers, weights = GEOMETRIES[geometry]
+    kinds = (_THREE_KINDS * layers)[:layers]
+    cfg = preset_config("small", num_hidden_layers=layers, layer_types=kinds,
+                        mlp_layer_types=["hash_moe"] + ["moe"] * (layers - 1), **overrides)
     out = write_checkpoint(out_dir, cfg, random_state(cfg, seed), layout="upstream", dtype=torch.bfloat16,
                            quantize="fp8-fp4")
+    if weights == "bf16":
+        _fp8_projections_to_bf16(out)
     write_tokenizer(out, cfg.vocab_size)
     return out
+
+
+def _fp8_projections_to_bf16(model_dir: Path) -> None:
+    """Store every FP8 projection of a checkpoint as bf16 (its exact decoded values: e4m3 times a
+    power-of-two scale fits bf16) without its scale; the MXFP4 experts stay."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    block = json.loads((model_dir / "config.json").read_text())["quantization_config"]["weight_block_size"]
+    index_path = model_dir / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text()) if index_path.exists() else None
+    for shard in sorted(model_dir.glob("*.safetensors")):
+        tensors = load_file(shard)
+        for name in [n for n, t in tensors.items() if t.dtype == torch.float8_e4m3fn]:
+            scale = tensors.pop(name.removesuffix(".weight") + ".scale").float()
+            n, k = tensors[name].shape
+            full = scale.repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
+            tensors[name] = (tensors[name].float() * full).to(torch.bfloat16)
+            if index is not None:
+                index["weight_map"].pop(name.removesuffix(".weight") + ".scale", None)
+        save_file(tensors, shard, metadata={"format": "pt"})
+    if index is not None:
+        index_path.write_text(json.dumps(index, indent=2) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,16 +235,17 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    mk = sub.add_parser("make-model", help="write the 6-layer FP8/FP4 tiny V4 checkpoint")
+    mk = sub.add_parser("make-model", help="write a tiny V4 checkpoint (default: the 6-layer FP8/FP4 small6)")
     mk.add_argument("out_dir")
     mk.add_argument("--seed", type=int, default=0)
+    mk.add_argument("--geometry", choices=list(GEOMETRIES), default="small6")
     b = sub.add_parser("build", help="fetch the sdist and build llama-server; prints its path")
     b.add_argument("--cache-dir", default=str(DEFAULT_CACHE))
     b.add_argument("--jobs", type=int, default=2)
     a = ap.parse_args(argv)
     try:
         if a.cmd == "make-model":
-            print(make_model(Path(a.out_dir), a.seed))
+            print(make_model(Path(a.out_dir), a.seed, a.geometry))
         else:
             print(build_server(Path(a.cache_dir), a.jobs))
     except PeerBuildError as exc:

@@ -117,3 +117,38 @@ def test_allow_bf16_false_keeps_torchs_products_exact(monkeypatch):
         kernels.dense_linear(x, w, allow_bf16=False)
         kernels.dense_linear(x, w)
     assert seen == ["highest", "medium"]
+
+
+# ---- the bf16-bits row kernel (the compiled step's dense weights that are bf16-exact) ------------
+
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("n, k", [(5, 7), (130, 256), (64, 1000)])
+def test_bf16_row_kernel_equals_the_fp32_row_kernel_bit_for_bit(m, n, k):
+    """A bf16 checkpoint's weight loaded in fp32 holds only bf16 values: the kernel reading its
+    bf16 bits (half the bytes) must give the fp32 kernel's sums exactly, in one task and split
+    over parallel tasks, and stay within the fp32 bound of a float64 product."""
+    g = torch.Generator().manual_seed(m * 7 + n + k)
+    w = torch.randn(n, k, generator=g).bfloat16().float()
+    x = torch.randn(m, k, generator=g)
+    half = cpu_gemv.bf16_copy(w)
+    assert half is not None and half.dtype == torch.uint16 and half.shape == w.shape
+    want = torch.empty(m, n)
+    cpu_gemv._dot_rows(w.numpy(), x.numpy(), 0, n, want.numpy())
+    for per in (0, 16):
+        got = torch.full((m, n), float("nan"))
+        if per:
+            cpu_gemv._gemv_bf16(half.numpy(), x.numpy(), got.numpy(), per)
+        else:
+            cpu_gemv._dot_rows_bf16(half.numpy(), x.numpy(), 0, n, got.numpy())
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert ((want - _exact(x, w)).abs() <= _bound(x, w)).all()
+
+
+def test_bf16_copy_only_of_bf16_exact_weights():
+    w = torch.randn(4, 8).bfloat16().float()
+    assert torch.equal(cpu_gemv.bf16_copy(w).view(torch.bfloat16).float(), w)
+    w[2, 3] = 1 + 2.0**-20                                           # one value off the bf16 grid
+    assert cpu_gemv.bf16_copy(w) is None
+    special = torch.tensor([[float("inf"), float("-inf"), 0.0, -0.0]])
+    assert torch.equal(cpu_gemv.bf16_copy(special).view(torch.bfloat16).float().view(torch.int32),
+                       special.view(torch.int32))

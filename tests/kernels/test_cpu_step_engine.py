@@ -1,0 +1,144 @@
+"""The compiled CPU decode step (kernels/cpu_step.py) inside a real engine, beyond plain decode:
+
+- a bf16 checkpoint (every dense weight bf16-exact once loaded in fp32): the program reads the
+  bf16 copies (kernels/cpu_gemv.py's bf16-bits row kernel) and each step's streams and logits
+  equal the op path's (engine/fused_decode.py with the compiled step off) within fp32 rounding;
+  greedy tokens identical;
+- MTP speculation: the verify steps (q = 1 + drafts tokens per sequence) run compiled, with
+  streams bit for bit the op path's on FP8/FP4 weights up to 4 rows (past
+  kernels/cpu_gemv.DENSE_GEMV_MAX_ROWS the op path's dense products, the router's among them, are
+  torch's sgemm), within fp32 rounding past them; greedy tokens, and the accepted drafts, identical to the op path's engine.
+The MTP layer's own draft steps (FusedDecoder.forward_mtp) stay on the op path.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.fused_decode import FusedDecoder
+from engine.weights import load_model
+from ipc.messages import SamplingParams
+from kernels.cpu_gemv import DENSE_GEMV_MAX_ROWS
+from kernels.cpu_step_linear import DENSE, DENSE_BF16
+
+
+@pytest.fixture(scope="module")
+def models(checkpoint_factory):
+    bf16 = checkpoint_factory("tiny-bf16-topk2", dtype=torch.bfloat16, index_topk=2)
+    quant = checkpoint_factory("tiny-fp8-fp4", dtype=torch.bfloat16, quantize="fp8-fp4", index_topk=64)
+    return {"bf16": load_model(bf16, dtype=torch.float32, progress=False),
+            "fp8-fp4": load_model(quant, dtype=torch.float32, progress=False)}
+
+
+def _engine(model, seqs: int, **kw) -> Engine:
+    args = dict(max_num_seqs=seqs, max_num_batched_tokens=512, kv_cache_memory_bytes=8 << 20, block_size=16,
+                cuda_graph_sizes=(1, 2, 4, 8, 16), static_decode=True, max_model_len=256)
+    args.update(kw)
+    return Engine(model, EngineConfig(**args))
+
+
+def _prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, vocab - 1, (10 + 9 * i,), generator=g).tolist() for i in range(n)]
+
+
+def _run(engine: Engine, prompts, steps: int) -> dict[int, list[int]]:
+    for i, p in enumerate(prompts):
+        engine.add_request(i, p, SamplingParams(max_tokens=steps, ignore_eos=True))
+    out: dict[int, list[int]] = {}
+    while engine.has_work:
+        for d in engine.step().deltas:
+            out.setdefault(d.request_id, []).extend(d.token_ids)
+    return out
+
+
+def _op_path_run(model, prompts, steps: int, **kw) -> tuple[dict[int, list[int]], Engine]:
+    saved = FusedDecoder.cpu_step
+    FusedDecoder.cpu_step = False
+    try:
+        engine = _engine(model, len(prompts), **kw)
+        return _run(engine, prompts, steps), engine
+    finally:
+        FusedDecoder.cpu_step = saved
+
+
+class _Compare:
+    """Runs every static target step both ways on the same batch: the op path first (its KV
+    writes are the ones the compiled step makes again), then the compiled step, whose streams
+    go on. Records (q, rows, op streams, compiled streams, op logits, compiled logits, program)."""
+
+    def __init__(self, monkeypatch):
+        self.results = []
+        forward = FusedDecoder.forward
+
+        def both(decoder, batch):
+            decoder.cpu_step = False
+            ref = forward(decoder, batch).clone()
+            ref_logits = decoder.model.logits(ref)
+            decoder.cpu_step = True
+            program = decoder.program(batch)
+            assert program is not None
+            streams, logits = program.run()
+            self.results.append((batch.tokens_per_seq, batch.token_ids.shape[0], ref, streams.clone(), ref_logits,
+                                 logits.clone(), program))
+            return streams
+
+        monkeypatch.setattr(FusedDecoder, "forward", both)
+
+
+@pytest.mark.parametrize("seqs", [2, 9])
+def test_bf16_weights_step_equals_the_op_path(models, monkeypatch, seqs):
+    model = models["bf16"]
+    compare = _Compare(monkeypatch)
+    _run(_engine(model, seqs), _prompts(seqs, model.cfg.vocab_size, seqs), steps=4)
+    assert len(compare.results) >= 2
+    for _, rows, ref, streams, ref_logits, logits, program in compare.results:
+        kinds = program.lin_table[:, 0].tolist()
+        assert DENSE_BF16 in kinds and DENSE not in kinds       # every dense product reads bf16 bits
+        torch.testing.assert_close(streams, ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_weights_greedy_tokens_equal_the_op_path(models):
+    model = models["bf16"]
+    prompts = _prompts(3, model.cfg.vocab_size, seed=3)
+    compiled = _run(_engine(model, 3), prompts, steps=10)
+    ops, _ = _op_path_run(model, prompts, steps=10)
+    assert compiled == ops and all(len(v) == 10 for v in compiled.values())
+
+
+_SPEC = dict(speculative_tokens=3, adaptive_speculation=False)
+
+
+@pytest.mark.parametrize("seqs", [1, 4])
+def test_verify_steps_with_mtp_drafts_equal_the_op_path(models, monkeypatch, seqs):
+    """1 sequence × (1 + 3 drafts) = 4 rows: every product on the row kernels the op path uses,
+    streams bit for bit; 4 × 4 = 16 rows: the op path hands some products to sgemm."""
+    model = models["fp8-fp4"]
+    compare = _Compare(monkeypatch)
+    engine = _engine(model, seqs, **_SPEC)
+    _run(engine, _prompts(seqs, model.cfg.vocab_size, seed=seqs), steps=6)
+    verify = [r for r in compare.results if r[0] == 4]
+    assert len(verify) >= 2, [r[:2] for r in compare.results]
+    assert engine.stats.spec_drafts > 0 and engine.stats.spec_draft_tokens > 0
+    for q, rows, ref, streams, ref_logits, logits, _ in verify:
+        assert rows == seqs * q
+        if rows <= DENSE_GEMV_MAX_ROWS:
+            assert torch.equal(streams.view(torch.int32), ref.view(torch.int32))
+        else:
+            torch.testing.assert_close(streams, ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_mtp_speculation_greedy_tokens_equal_the_op_path(models):
+    model = models["fp8-fp4"]
+    prompts = _prompts(3, model.cfg.vocab_size, seed=11)
+    engine = _engine(model, 3, **_SPEC)
+    compiled = _run(engine, prompts, steps=12)
+    programs = [p for _, p in engine.static.fused._programs.values() if p is not None]
+    assert any(p.rows > 3 for p in programs)                    # a verify shape ran compiled
+    ops, op_engine = _op_path_run(model, prompts, steps=12, **_SPEC)
+    assert compiled == ops and all(len(v) == 12 for v in compiled.values())
+    assert engine.stats.spec_accepted_per_position == op_engine.stats.spec_accepted_per_position
