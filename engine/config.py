@@ -413,6 +413,9 @@ class EngineConfig:
     # DeepSeek-V4.1's Engram tables (hashed n-gram rows, 189 GiB in the release): on the device,
     # or in host memory, looked up there and only the rows a step reads copied over.
     engram_tables: str = "device"
+    # vLLM's --language-model-only: a checkpoint with a vision tower (DeepSeek-V4.1) loads without
+    # it (its tensors are not read) and refuses image input.
+    language_model_only: bool = False
     # vLLM's batch invariance: a token's result never depends on what shares its step, so greedy
     # output with speculation equals greedy output without, bit for bit (DeepSeek-V4.1: its
     # row-independent numerics, engine/v41/numerics.py; slower).

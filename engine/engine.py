@@ -27,6 +27,7 @@ from .prefix_cache import PrefixCache, snapshot_slots
 from .request import Request, RequestError
 from .scheduler import Scheduler, SchedulerConfig
 from .spec_control import SpeculationControl
+from .v41.vision.requests import check_images
 
 logger = logging.getLogger(__name__)
 
@@ -109,21 +110,26 @@ class Engine:
         return self.scheduler.config.max_model_len
 
     def add_request(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams,
-                    kv_transfer_params=None) -> Request:
+                    kv_transfer_params=None, images=()) -> Request:
         """Queue a request; RequestError if it breaks an invariant the edge should have enforced
-        (the worker turns that into a refused request, never a crash)."""
+        (the worker turns that into a refused request, never a crash). `images`: the prompt's
+        images (ipc.messages.ImageData, span order; engine/v41/vision/requests.py)."""
         vocab = self.model.cfg.vocab_size
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise RequestError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        decode_leg = kv_transfer_params is not None and kv_transfer_params.do_remote_prefill
+        multimodal = check_images(self.model, prompt_token_ids, list(images), decode_leg)
         if kv_transfer_params is not None:  # [kv-connector] a leg of a PD request
             if self.connector is None:
                 raise RequestError("kv_transfer_params need a server started with --kv-transfer")
-            req = self.connector.add_request(request_id, list(prompt_token_ids), params, kv_transfer_params)
+            req = self.connector.add_request(request_id, list(prompt_token_ids), params, kv_transfer_params,
+                                             multimodal)
             if params.structured is not None:  # the prefill samples its first token under the grammar, the
                 req.grammar = self.grammar_for(params)  # decode leg's matcher starts from that token
             return req
         req = Request(request_id, list(prompt_token_ids), params)
+        req.multimodal = multimodal
         if params.structured is not None:
             req.grammar = self.grammar_for(params)
         self.scheduler.add(req)

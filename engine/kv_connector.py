@@ -69,17 +69,19 @@ class KVConnector:
 
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, request_id: int, prompt: list[int], params: SamplingParams,
-                    kv: wire.KVTransferParams) -> Request:
-        """Admit a request that carries kv_transfer_params (RequestError → refused with 400)."""
+                    kv: wire.KVTransferParams, multimodal=None) -> Request:
+        """Admit a request that carries kv_transfer_params (RequestError → refused with 400).
+        `multimodal`: its images (engine/v41/vision/inputs.py), checked by the engine."""
         if kv.do_remote_prefill:
             if self.decode is None:
                 raise RequestError("this server's --kv-role is prefill: it does not decode from a remote prefill")
-            return self.decode.add(request_id, prompt, params, kv)
+            return self.decode.add(request_id, prompt, params, kv, multimodal)
         req = Request(request_id, list(prompt), params)
         if kv.do_remote_decode:
             if self.prefill is None:
                 raise RequestError("this server's --kv-role is decode: it does not prefill for a remote decode")
             req = Request(request_id, list(prompt), self.prefill.capped(params))
+        req.multimodal = multimodal  # the prefill leg runs the encoder
         self.scheduler.add(req)
         if kv.do_remote_decode:
             self.prefill.remote_decode.add(request_id)

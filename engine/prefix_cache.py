@@ -22,6 +22,11 @@ the request is computed on. Three ways to get it:
   * bounded replay (`--prefix-replay bounded`, vLLM's approximation): recompute the last W_b
     tokens before H (W_b = the window rounded up to every compress ratio: 128 for V4/V4.1), not
     exact. Keeps no snapshots.
+Images (DeepSeek-V4.1 vision): every position of an image span carries the same token id, so a
+block's key also folds in the content digest of each image whose span starts in it (`_extend_hashes`);
+the chain carries it into every later block, so two requests with the same text and different
+images never share a block from the first one that holds an image position on.
+
 Per-sequence state that is a function of the tokens alone (V4.1's Engram compressed-id history)
 is rebuilt by the cache from the token ids below S (`rebuild_history`), for restores and replays
 alike. While a request recomputes positions below H their global records are not written: those
@@ -42,7 +47,9 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass
 
 from .config import PREFIX_REPLAY_MODES
+from .block_manager import block_hash
 from .kv_snapshot import SlidingState, boundary_rows, export_state, import_state
+from .v41.vision.inputs import multimodal_of
 
 
 @dataclass
@@ -136,7 +143,7 @@ class PrefixCache:
         limit = (len(tokens) - 1) // b  # the last known token is always computed
         if limit <= 0:
             return None
-        self.manager.update_hashes(table, tokens[: limit * b], self.state(req).salt)
+        self._extend_hashes(req, tokens[: limit * b])
         blocks = self.manager.match(table.block_hashes[:limit])
         if not blocks:
             return None
@@ -151,6 +158,20 @@ class PrefixCache:
                     start, slot = i * b, found
                     break
         return Hit(blocks, cached, start, slot) if start > 0 else None
+
+    def _extend_hashes(self, req, tokens: list[int]) -> None:
+        """Extend the request's block-hash chain over every full block of `tokens`; with images,
+        each block's salt also holds the digests of the images whose spans start in it."""
+        table, salt = req.seq.table, self.state(req).salt
+        images = multimodal_of(req)
+        if images is None:
+            self.manager.update_hashes(table, tokens, salt)
+            return
+        b = self.block_size
+        for i in range(len(table.block_hashes), len(tokens) // b):
+            parent = table.block_hashes[-1] if table.block_hashes else b""
+            extra = images.digests_starting_in(i * b, (i + 1) * b)
+            table.block_hashes.append(block_hash(parent, tokens[i * b: (i + 1) * b], salt + extra))
 
     def _replay_start(self, cached: int) -> int:
         if self.mode == "bounded":
@@ -218,8 +239,7 @@ class PrefixCache:
         b, table = self.block_size, req.seq.table
         done = req.num_computed_tokens // b
         if done > table.num_registered:
-            pre = self.state(req)
-            self.manager.update_hashes(table, req.token_ids[: done * b], pre.salt)
+            self._extend_hashes(req, req.token_ids[: done * b])
             self.manager.register(table, done)
         if self.store is None:
             return

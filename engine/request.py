@@ -69,6 +69,9 @@ class Request:
     # Structured outputs (engine/structured/): the grammar its output follows; it is scheduled
     # once the grammar is compiled and its matcher started.
     grammar: object | None = None
+    # Multimodal input (engine/v41/vision/inputs.py RequestImages): its images' spans, pixels
+    # and digests; the scheduler hands it to the request's KV sequence. None: text only.
+    multimodal: object | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

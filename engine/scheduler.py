@@ -23,6 +23,7 @@ from .batch import Batch, ScheduledRequest, StepOutput
 from .kv_cache import KVCache
 from .prefix_cache import Hit, PrefixCache
 from .request import FinishReason, Request, RequestError, RequestStatus
+from .v41.vision.inputs import attach_to_sequence
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +147,7 @@ class Scheduler:
                 break  # only requests whose grammar is still compiling wait
             if req.seq is None:
                 req.seq = self.cache.new_sequence()
+                attach_to_sequence(req)  # its images' spans, read by the forward (DeepSeek-V4.1 vision)
             hit = self._adopt_prefix(req)
             start = req.num_computed_tokens
             n = min(len(req.token_ids) - start, budget)

@@ -475,13 +475,15 @@ class _Filler:
 
 def load_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
                progress: bool = True, load_mtp: bool = True, weight_dtype: str = "auto",
-               experts: dict[int, list[int]] | None = None, engram_tables: str = "device") -> DeepseekV4:
+               experts: dict[int, list[int]] | None = None, engram_tables: str = "device",
+               language_model_only: bool = False) -> DeepseekV4:
     """Build the model described by `model_dir/config.json` and fill it from its safetensors.
 
     dtype: the compute dtype. weight_dtype: 'auto' keeps FP8/FP4 weights as stored, 'bf16'
     decodes them into `dtype` (the upcast). experts: MoE layer id → the logical experts this
     rank holds (see `build_model`); None holds all. engram_tables: where a V4.1 model keeps its
-    Engram tables, 'device' or 'host' (V4 has none)."""
+    Engram tables, 'device' or 'host' (V4 has none). language_model_only: a V4.1 checkpoint's
+    vision tower is neither built nor read (V4 has none)."""
     if weight_dtype not in WEIGHT_DTYPES:
         raise ValueError(f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {weight_dtype!r}")
     model_dir = Path(model_dir)
@@ -489,7 +491,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloat16, devic
     if cfg.arch == "v41":  # DeepSeek-V4.1: its own model (bf16 activations by definition) and names
         from .v41.weights import load_v41
 
-        model = load_v41(model_dir, device, progress, load_mtp, weight_dtype, experts, engram_tables)
+        model = load_v41(model_dir, device, progress, load_mtp, weight_dtype, experts, engram_tables,
+                         language_model_only)
         model.source_dir = model_dir  # where its tokenizer is (structured outputs compile against it)
         return model
     ckpt = _Checkpoint(shard_files(model_dir))

@@ -60,8 +60,9 @@ class Worker:
 
     # ---- commands (call from the worker's event loop thread) ------------------------------
     def submit(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams,
-               kv_transfer_params=None) -> None:
-        self._commands.append(("submit", request_id, prompt_token_ids, params, kv_transfer_params))
+               kv_transfer_params=None, images=()) -> None:
+        """`images`: the prompt's images (ipc.messages.ImageData, span order)."""
+        self._commands.append(("submit", request_id, prompt_token_ids, params, kv_transfer_params, images))
         self.wake()
 
     def abort(self, request_ids: list[int]) -> None:
@@ -86,13 +87,13 @@ class Worker:
         while self._commands:
             cmd = self._commands.popleft()
             if cmd[0] == "submit":
-                _, rid, ids, params, kv = cmd
+                _, rid, ids, params, kv, images = cmd
                 if rid in self._early_aborts:  # its abort came first
                     del self._early_aborts[rid]
                     finished.append(Finished(rid, "abort", len(ids), 0))
                     continue
                 try:
-                    self.engine.add_request(rid, ids, params, kv)
+                    self.engine.add_request(rid, ids, params, kv, images)
                 except RequestError as exc:  # an invariant the edge should have enforced: refuse, don't crash
                     finished.append(Finished(rid, "error", len(ids), 0, str(exc), 400))
             else:

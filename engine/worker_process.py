@@ -132,7 +132,8 @@ def _load(model_dir: str, config: EngineConfig, parallel: ParallelConfig, device
     resolved = config.resolved()
     load_mtp = bool(resolved.speculative_tokens)
     kwargs = dict(dtype=default_dtype(config, device), device=device, progress=False, load_mtp=load_mtp,
-                  weight_dtype=config.weight_dtype, engram_tables=config.engram_tables)
+                  weight_dtype=config.weight_dtype, engram_tables=config.engram_tables,
+                  language_model_only=config.language_model_only)
     if group is None:
         return load_model(model_dir, **kwargs), None
     cfg = ModelConfig.from_model_dir(model_dir)
@@ -182,7 +183,7 @@ async def _drain(worker: Worker, reader: RingReader, name: str) -> None:
         except IpcError as exc:
             raise RingFailure(f"{name}: {type(exc).__name__}: {exc}") from None
         if isinstance(msg, Submit):
-            worker.submit(msg.request_id, msg.prompt_token_ids, msg.params, msg.kv_transfer_params)
+            worker.submit(msg.request_id, msg.prompt_token_ids, msg.params, msg.kv_transfer_params, msg.images)
         elif isinstance(msg, Abort):
             worker.abort(msg.request_ids)
         elif isinstance(msg, Wake):

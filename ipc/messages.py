@@ -90,6 +90,24 @@ class SamplingParams(Struct, frozen=True, array_like=True):
         return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
 
 
+MAX_IMAGES_PER_REQUEST = 256
+MAX_IMAGE_BYTES = 64 << 20  # one image's pixels; the engine checks the exact size its model plans
+GridSide = Annotated[int, Meta(ge=1, le=65535)]
+
+
+class ImageData(Struct, frozen=True, array_like=True):
+    """One image of a request, preprocessed at the edge (DeepSeek-V4.1: the pixels its ViT reads,
+    engine/v41/vision/processor.py), so the worker decodes no image format and its size is
+    bounded by the model's token budget. `start`: where the image's span begins in
+    `prompt_token_ids` (already expanded: every span position holds the image token id)."""
+
+    start: Count
+    n_vit_h: GridSide  # patch rows; the pixels are n_vit_h·patch rows of n_vit_w·patch RGB pixels
+    n_vit_w: GridSide
+    pixels: Annotated[bytes, Meta(max_length=MAX_IMAGE_BYTES)]  # uint8 RGB, row-major
+    digest: Annotated[bytes, Meta(min_length=32, max_length=32)]  # SHA-256 of the size and pixels
+
+
 class Submit(Struct, frozen=True, array_like=True, tag=1):
     """A new request with its whole prompt (sent once; later traffic is deltas)."""
 
@@ -98,6 +116,8 @@ class Submit(Struct, frozen=True, array_like=True, tag=1):
     params: SamplingParams
     # PD disaggregation: leg 1 (do_remote_decode) or leg 2 (do_remote_prefill, where the KV is).
     kv_transfer_params: KVTransferParams | None = None
+    # Multimodal input (DeepSeek-V4.1 vision): the prompt's images in span order.
+    images: Annotated[list[ImageData], Meta(max_length=MAX_IMAGES_PER_REQUEST)] = []
 
 
 class Abort(Struct, frozen=True, array_like=True, tag=2):

@@ -80,9 +80,12 @@ class DecodeSide:
         self._next_idle_check = 0.0
 
     # ---- admission ----------------------------------------------------------------------------
-    def add(self, request_id: int, prompt: list[int], params: SamplingParams, kv: wire.KVTransferParams):
+    def add(self, request_id: int, prompt: list[int], params: SamplingParams, kv: wire.KVTransferParams,
+            multimodal=None):
         """Validate a remote-prefilled request against this engine's own prompt and layout, and
-        queue its load. RequestError (→ 400) for anything that does not add up."""
+        queue its load. RequestError (→ 400) for anything that does not add up. `multimodal`:
+        the prompt's images (engine/v41/vision/inputs.py), or only their positions when the leg
+        came without them; then the replay must not reach an image span (it would need them)."""
         from engine.request import Request, RequestError
 
         ctx = self.ctx
@@ -95,10 +98,14 @@ class DecodeSide:
         except wire.ProtocolError as exc:
             raise RequestError(str(exc)) from None
         self._check_request(request_id, prompt, params, kv)
+        if _lacks_images(multimodal) and multimodal.meets(plan.resume_from, plan.num_tokens):
+            raise RequestError(f"the decode recomputes prompt positions [{plan.resume_from}, {plan.num_tokens}) "
+                               "(its window replay), which hold image spans: send the images on the decode leg too")
         now = time.monotonic()
         lifetime = max(_MIN_RENEW_S, kv.remote_blocks_expiry_time - time.time())
-        load = _Load(Request(request_id, list(prompt), params), kv, plan, now, max(_MIN_RENEW_S, lifetime / 3),
-                     now + max(_MIN_RENEW_S, lifetime / 3))
+        req = Request(request_id, list(prompt), params)
+        req.multimodal = multimodal
+        load = _Load(req, kv, plan, now, max(_MIN_RENEW_S, lifetime / 3), now + max(_MIN_RENEW_S, lifetime / 3))
         self.loads[request_id] = load
         self._connect(kv)
         return load.req
@@ -186,6 +193,8 @@ class DecodeSide:
         if not cache.manager.allocate(seq.table, plan.resume_from, plan.num_tokens):
             return False
         load.seq = seq
+        if load.req.multimodal is not None:  # the replay places (or, for Engram, masks) image positions
+            seq.multimodal = load.req.multimodal
         if plan.resume_from < plan.num_tokens:
             self._prepare_replay(seq, plan, load.req.prompt_token_ids)
         return True
@@ -288,7 +297,7 @@ class DecodeSide:
         c.digest_failures += exc.digest
         self._discard(load, exc.reason)
         req = load.req
-        if self.ctx.config.failure_policy == "recompute":
+        if self.ctx.config.failure_policy == "recompute" and not _lacks_images(req.multimodal):
             log.warning("request %d: %s; recomputing its prompt here", req.request_id, exc.reason)
             c.recomputed += 1
             try:
@@ -381,3 +390,8 @@ class DecodeSide:
             t.cancel("shutting down")
             self.ctx.cache.free(seq)
         self._draining.clear()
+
+
+def _lacks_images(multimodal) -> bool:
+    """A prompt with image spans whose images this leg was not sent (only their positions)."""
+    return multimodal is not None and not hasattr(multimodal, "images")

@@ -10,6 +10,12 @@ with one E8M0 scale per row per 32; BF16 / F32 the rest. Without it the same ten
 Weights are drawn from (seed, tensor name) and scaled so activations stay O(1): dense
 N(0, 1)·fan_in^-½, residual-writing projections (wo_b, w2) ×0.1, the head ×4, norms 1 + 0.1·N,
 mHC fn N·(hc·dim)^-½, base 0.5·N (+1 on the comb diagonal), scale U(0.5, 1).
+
+`vision=True` adds a vision tower (`VISION_PRESETS`, the release's tensor names and BF16
+storage: `vision.*`, `aligner.*`, the span vectors, an F32 `gate.bias_vl` in every Gate) and the
+image token `<｜deepseek_image｜>` as the tokenizer's last id (the vocabulary grows by one):
+matrices N(0, 1)·fan_in^-½, biases 0.02·N, norms 1 + 0.1·N, span vectors N(0, 0.5),
+`bias_vl` 0.5·N (larger than the text bias, so image routing really differs).
 """
 
 from __future__ import annotations
@@ -26,6 +32,17 @@ from ..checkpoint import _e2m1_codes, _write_shards
 from ..config import ModelConfig
 from ..weight_names import v41_export_names
 from .engram import table_rows
+from .vision.config import IMAGE_PLACEHOLDER, VisionConfig, vision_to_release
+from .vision.encoder import release_name
+
+# Vision towers for `vision=True`, per preset: every feature at toy sizes (a stretch ratio, an
+# upscale floor and a token budget that shrinks photos), and a ViT of the release's patch / ratio.
+VISION_PRESETS: dict[str, VisionConfig] = {
+    "tiny": VisionConfig(n_layers=2, dim=32, n_heads=2, inter_dim=64, patch_size=8, rope_theta=10000.0,
+                         downsample_ratio=2, max_n_token=48, min_pixels=1200, max_wh_ratio=4.0),
+    "small": VisionConfig(n_layers=4, dim=128, n_heads=4, inter_dim=256, patch_size=14, rope_theta=10000.0,
+                          downsample_ratio=3, max_n_token=256, min_pixels=196 * 196, max_wh_ratio=None),
+}
 
 _TEXT_BASE: dict[str, Any] = {
     "model_type": "deepseek_v41_text", "num_key_value_heads": 1, "hidden_act": "silu",
@@ -72,20 +89,25 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 # Tensors REF keeps (or promotes) out of FP8: bf16 / fp32 by the release's rules.
 F32_SUFFIXES = ("hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale",
-                "attn_sink", "gate.bias")
+                "attn_sink", "gate.bias", "gate.bias_vl")
 
 
-def release_config(preset: str, compressed_vocab_size: int, quantize: str | None, **overrides: Any) -> dict:
-    """The root config.json of a preset (engram table sizes from its primes)."""
+def release_config(preset: str, compressed_vocab_size: int, quantize: str | None,
+                   vision: VisionConfig | None = None, image_token_id: int | None = None, **overrides: Any) -> dict:
+    """The root config.json of a preset (engram table sizes from its primes); `vision`: the
+    tower (None: text only, `vision_config` with zero layers as the text-only release)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown V4.1 preset {preset!r}; choose one of {sorted(PRESETS)}")
     text = {**_TEXT_BASE, **PRESETS[preset], **overrides}
     text["engram_compressed_vocab_size"] = compressed_vocab_size
     text["engram_num_embeddings"] = table_rows(len(text["engram_layer_ids"]), text["engram_max_ngram_size"],
                                                text["engram_n_heads"], text["engram_vocab_size"])
+    tower = vision_to_release(vision) if vision is not None else {"model_type": "deepseek_v41_vision",
+                                                                   "num_hidden_layers": 0}
     root = {"architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41", "dtype": "bfloat16",
-            "tie_word_embeddings": False, "text_config": text,
-            "vision_config": {"model_type": "deepseek_v41_vision", "num_hidden_layers": 0}}
+            "tie_word_embeddings": False, "text_config": text, "vision_config": tower}
+    if image_token_id is not None:
+        root["image_token_id"] = image_token_id
     if quantize:
         root["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
                                        "weight_block_size": [32, 32], "scale_fmt": "ue8m0", "expert_dtype": "fp4"}
@@ -101,6 +123,10 @@ def _draw(name: str, shape: tuple[int, ...], cfg: ModelConfig, seed: int) -> tor
     g = _generator(seed, name)
     randn = lambda s: torch.randn(shape, generator=g) * s  # noqa: E731
     leaf = name.rpartition(".")[2]
+    if release_name(name) is not None:
+        return _draw_vision(release_name(name), shape, randn)
+    if name.endswith("gate.bias_vl"):
+        return randn(0.5)
     if name.endswith(("norm.weight", "q_weight", "k_weight")):
         return 1.0 + randn(0.1)
     if leaf.endswith("_scale"):
@@ -126,6 +152,16 @@ def _draw(name: str, shape: tuple[int, ...], cfg: ModelConfig, seed: int) -> tor
     if name == "head.weight":
         scale *= 4.0
     return randn(scale)
+
+
+def _draw_vision(name: str, shape: tuple[int, ...], randn) -> torch.Tensor:
+    if name.startswith("image_"):  # the span vectors
+        return randn(0.5)
+    if name.endswith("bias"):
+        return randn(0.02)
+    if name.rsplit(".", 2)[-2].startswith("norm"):  # norm1, norm2, the final norm
+        return 1.0 + randn(0.1)
+    return randn(shape[-1] ** -0.5)
 
 
 def random_state(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -184,6 +220,9 @@ def export_tensors(cfg: ModelConfig, state: dict[str, torch.Tensor], quantize: s
         raise ValueError(f"unknown quantization {quantize!r}")
     inter, out = cfg.moe_intermediate_size, {}
     for internal, value in state.items():
+        if release_name(internal) is not None:  # the vision tower: BF16 throughout, as released
+            out[release_name(internal)] = value.to(torch.bfloat16).contiguous()
+            continue
         for name, expert, part in v41_export_names(internal, value.shape[0] if ".experts." in internal else 0):
             if expert is not None:
                 rows = {"gate": slice(0, inter), "up": slice(inter, 2 * inter), "all": slice(None)}[part]
@@ -204,8 +243,9 @@ def export_tensors(cfg: ModelConfig, state: dict[str, torch.Tensor], quantize: s
 
 
 def write_v41_checkpoint(out_dir: str | Path, preset: str, seed: int = 0, quantize: str | None = None,
-                         **overrides: Any) -> Path:
-    """config.json, generation_config.json, tokenizer, engram_token_map.json and the tensors."""
+                         vision: bool | VisionConfig = False, **overrides: Any) -> Path:
+    """config.json, generation_config.json, tokenizer, engram_token_map.json and the tensors.
+    `vision`: True for the preset's tower (VISION_PRESETS), or a VisionConfig."""
     from server.make_tokenizer import write_tokenizer
 
     from .engram import build_token_map, write_token_map
@@ -214,12 +254,29 @@ def write_v41_checkpoint(out_dir: str | Path, preset: str, seed: int = 0, quanti
     out_dir.mkdir(parents=True, exist_ok=True)
     vocab = {**PRESETS.get(preset, {}), **overrides}.get("vocab_size", 512)
     write_tokenizer(out_dir, vocab)
+    tower = (VISION_PRESETS.get(preset) if vision is True else vision) or None
+    if vision is True and tower is None:
+        raise ValueError(f"no vision tower for preset {preset!r}; choose one of {sorted(VISION_PRESETS)}")
+    image_token_id = None
+    if tower is not None:
+        image_token_id = _add_image_token(out_dir / "tokenizer.json")
+        overrides = {**overrides, "vocab_size": image_token_id + 1}
     token_map, size = build_token_map(out_dir / "tokenizer.json")
     write_token_map(out_dir, token_map, size)
-    root = release_config(preset, size, quantize, **overrides)
+    root = release_config(preset, size, quantize, tower, image_token_id, **overrides)
     (out_dir / "config.json").write_text(json.dumps(root, indent=2) + "\n")
     cfg = ModelConfig.from_model_dir(out_dir)
     gen = {"bos_token_id": cfg.bos_token_id, "eos_token_id": list(cfg.eos_token_ids), "do_sample": False}
     (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     _write_shards(out_dir, export_tensors(cfg, random_state(cfg, seed), quantize), 512 * 2**20)
     return out_dir
+
+
+def _add_image_token(tokenizer_json: Path) -> int:
+    """Append `<｜deepseek_image｜>` to a tokenizer as a special token; its id (the last)."""
+    from tokenizers import AddedToken, Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_json))
+    tok.add_special_tokens([AddedToken(IMAGE_PLACEHOLDER, special=True, normalized=False)])
+    tok.save(str(tokenizer_json))
+    return tok.token_to_id(IMAGE_PLACEHOLDER)

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .vision.config import RELEASE_IMAGE_TOKEN_ID, VisionConfig, image_token_id_of, parse_vision
+
 # The release omits engram_vocab_size; HF's default reproduces the released table row counts.
 RELEASE_ENGRAM_VOCAB_SIZE = 16_000_000
 FP4_BLOCK = 32  # routed experts: one E8M0 scale per 32 along K
@@ -46,6 +48,9 @@ class V41Fields:
     dspark_n_activated_experts: int
     weight_block_size: tuple[int, int] = (32, 32)
     fp4_block_size: int = FP4_BLOCK
+    # The vision tower (None: a text-only checkpoint) and the id every image-span position carries.
+    vision: VisionConfig | None = None
+    image_token_id: int = RELEASE_IMAGE_TOKEN_ID
 
     def kv_source_of(self, layer: int) -> int:
         """The KV source whose compressed cache (and index keys) ratio > 0 `layer` reads."""
@@ -113,6 +118,8 @@ def parse_v41(raw: dict[str, Any]):
         dspark_n_routed_experts=int(t.get("dspark_n_routed_experts", 0)),
         dspark_n_activated_experts=int(t.get("dspark_num_experts_per_tok", 0)),
         weight_block_size=tuple(int(b) for b in (q or {}).get("weight_block_size", (32, 32))),
+        vision=parse_vision(raw),
+        image_token_id=image_token_id_of(raw),
     )
     cfg = ModelConfig(
         vocab_size=int(_req(t, "vocab_size")), hidden_size=int(_req(t, "hidden_size")), num_layers=n_layers,
@@ -160,6 +167,8 @@ def validate_v41(cfg) -> None:
         (cfg.num_heads % cfg.o_groups == 0, "num_attention_heads must be divisible by o_groups"),
         (all(t in layers for t in v.dspark_target_layer_ids), "dspark_target_layer_ids must be backbone layers"),
         (cfg.head_dim % 32 == 0 and cfg.index_head_dim % 32 == 0, "head dims must be multiples of 32 (QAT blocks)"),
+        # REF embeds the image token (and maps it through the Engram token map) before overwriting it
+        (v.vision is None or 0 <= v.image_token_id < cfg.vocab_size, "image_token_id must be a vocabulary id"),
     ]
     for ok, message in checks:
         if not ok:

@@ -7,6 +7,11 @@ the primes p are handed out in order from engram_vocab_size and never reused, an
 are the running sums of a layer's primes. Before the sequence start the look-back reads the pad
 token's compressed id.
 
+Image spans (DeepSeek-V4.1 vision) are DEAD for Engram: their positions are recorded as `DEAD`
+instead of a compressed id, and an n-gram's look-back stops at the first DEAD position (that
+slot and every older one read the pad id), so no n-gram spans an image. A DEAD position's own
+hashes are all pad (the layer's gate is shut there anyway, `Engram.mix`).
+
 `EngramHistory` is the per-sequence state: compressed ids by absolute position in a ring of
 look-back + slack slots. Writes are by position, so chunked prefill, recompute after
 preemption and speculative rollback (recomputing from a lower position) all leave it right.
@@ -106,6 +111,8 @@ def write_token_map(model_dir: Path, token_map: list[int], size: int) -> None:
 class EngramHasher:
     """Hash ids of a chunk from its look-back and its own compressed ids."""
 
+    DEAD = -1  # an image-span position in the history
+
     def __init__(self, cfg, token_map: list[int]):
         v = cfg.v41
         self.n_max, self.n_heads = v.engram_max_ngram_size, v.engram_n_heads
@@ -123,6 +130,11 @@ class EngramHasher:
     def compress(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.token_map[token_ids]
 
+    def record_ids(self, token_ids: torch.Tensor, dead: torch.Tensor | None = None) -> torch.Tensor:
+        """What the history records for these tokens: compressed ids, DEAD where `dead`."""
+        ids = self.compress(token_ids)
+        return ids if dead is None else torch.where(dead, self.DEAD, ids)
+
     def hash_ids(self, back: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """back: compressed ids of the `lookback` positions before the chunk (pad before the
         start); ids: the chunk's [T] → int64 [T, n_engram_layers, cols]."""
@@ -130,6 +142,8 @@ class EngramHasher:
         t, lb = ids.shape[0], self.lookback
         # column j: the id j places back from each chunk position
         look = torch.stack([hist[lb - j: lb - j + t] for j in range(self.n_max)], dim=-1)  # [T, n_max]
+        blocked = (look == self.DEAD).cummax(dim=-1).values  # at or past the nearest DEAD position
+        look = torch.where(blocked, self.pad, look)
         prod = look[:, None, :] * self.mult[None]  # [T, L, n_max]
         rolling, cols = prod[..., 0], []
         for n in range(2, self.n_max + 1):
@@ -137,10 +151,11 @@ class EngramHasher:
             cols.append(rolling[..., None].expand(-1, -1, self.n_heads))
         return torch.cat(cols, dim=-1) % self.primes[None] + self.offsets[None]
 
-    def step_ids(self, history: "EngramHistory", start: int, token_ids: torch.Tensor) -> torch.Tensor:
+    def step_ids(self, history: "EngramHistory", start: int, token_ids: torch.Tensor,
+                 dead: torch.Tensor | None = None) -> torch.Tensor:
         """Hash ids [T, n_engram_layers, cols] of host token ids [T] at positions start.. of a
-        sequence, recording their compressed ids in its history."""
-        ids = self.compress(token_ids)
+        sequence, recording their compressed ids (DEAD where `dead` [T] bool) in its history."""
+        ids = self.record_ids(token_ids, dead)
         out = self.hash_ids(history.look_back(start, self.lookback), ids)
         history.write(start, ids)
         return out

@@ -77,6 +77,7 @@ class V41Sequence:
         self.table = BlockTable()
         self._slots = _Slots(self.table, cache.layout.block_size, cache.device)
         self.engram = cache.new_engram_history()
+        self.multimodal = None  # the request's images (engine/v41/vision/inputs.py RequestImages), if any
         self._views: dict[tuple[str, int], object] = {}
 
     def _view(self, pool: str, layer: int, cls, dtype):
@@ -164,11 +165,13 @@ class V41KVCache(KVCache):
 
         Rebuilt, not snapshotted: the history is the compressed ids of the tokens, a pure
         function of them, and a hit's tokens below `start` are the cached ones (the hash chain
-        matched), so a few table lookups give it exactly, for snapshots and replays alike."""
+        matched), so a few table lookups give it exactly, for snapshots and replays alike. Image
+        positions are DEAD, as the prefill recorded them (the hash chain covers the images too)."""
         if seq.engram is None or start <= 0:
             return
         lo = max(0, start - self.engram.lookback)
-        seq.engram.write(lo, self.engram.compress(torch.tensor(token_ids[lo:start], dtype=torch.long)))
+        dead = torch.tensor(seq.multimodal.mask(lo, start)) if seq.multimodal is not None else None
+        seq.engram.write(lo, self.engram.record_ids(torch.tensor(token_ids[lo:start], dtype=torch.long), dead))
 
     def layer_pools(self, layer: int):
         raise NotImplementedError("V4.1's static decode step reads its pools itself (engine/v41/static_forward.py)")

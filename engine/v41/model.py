@@ -30,6 +30,8 @@ from .attention import Attention, Chunk
 from .engram import EngramHasher, build_token_map, load_token_map
 from .linear import Param, QLinear
 from .moe import MoE
+from .vision.encoder import ImageEncoder
+from .vision.placement import StepImages
 
 
 def per_chunk(fn, chunks: list[Chunk], *tensors: torch.Tensor):
@@ -74,10 +76,12 @@ class Block(nn.Module):
         fn, base, scale = (getattr(self, f"hc_{name}_{k}") for k in ("fn", "base", "scale"))
         return per_chunk(lambda s: HyperSite.mixes(s, fn, scale, base, self.cfg), chunks, stream)
 
-    def forward(self, stream: torch.Tensor, pre_mix: torch.Tensor, attend, chunks: list[Chunk], ffn=None):
+    def forward(self, stream: torch.Tensor, pre_mix: torch.Tensor, attend, chunks: list[Chunk], ffn=None,
+                image_mask: torch.Tensor | None = None):
         """stream [T, hc, D], pre_mix [T, hc] (the previous FFN site's pre) → (stream, this FFN
         site's pre). `attend(x [T, D]) -> [T, D]` is the attention of this block; `ffn(x)`, when
-        given, replaces the MoE call (the static decode step's MoE, engine/v41/static_moe.py)."""
+        given, replaces the MoE call (the static decode step's MoE, engine/v41/static_moe.py).
+        `image_mask` [T] bool: image-span rows, routed with the gate's `bias_vl`."""
         eps = self.cfg.rms_norm_eps
         attn_pre, attn_post, attn_comb = self.site("attn", stream, chunks)
         x = nx.rms_norm(nx.hc_collapse(stream, pre_mix), self.attn_norm.weight, eps)
@@ -87,7 +91,9 @@ class Block(nn.Module):
         if ffn is not None:
             y = ffn(x)
         elif self.ffn.parallel is not None:  # expert parallel: the whole step through one dispatch
-            y = self.ffn.forward_parallel(x, lambda fn, *t: per_chunk(fn, chunks, *t))
+            y = self.ffn.forward_parallel(x, lambda fn, *t: per_chunk(fn, chunks, *t), image_mask)
+        elif image_mask is not None:
+            y = per_chunk(self.ffn, chunks, x, image_mask)
         else:
             y = per_chunk(self.ffn, chunks, x)
         return nx.hc_expand(y, stream, ffn_post, ffn_comb), ffn_pre
@@ -134,11 +140,14 @@ class Engram(nn.Module):
         rows = (codes * values).to(torch.bfloat16)
         return rows.pin_memory() if rows.device.type == "cpu" and torch.cuda.is_available() else rows
 
-    def forward(self, stream: torch.Tensor, hash_ids: torch.Tensor, chunks: list[Chunk]) -> torch.Tensor:
-        return self.mix(stream, self.lookup(hash_ids), chunks)
+    def forward(self, stream: torch.Tensor, hash_ids: torch.Tensor, chunks: list[Chunk],
+                dead: torch.Tensor | None = None) -> torch.Tensor:
+        return self.mix(stream, self.lookup(hash_ids), chunks, dead)
 
-    def mix(self, stream: torch.Tensor, rows: torch.Tensor, chunks: list[Chunk]) -> torch.Tensor:
-        """stream [T, hc, D] bf16 and the looked-up table rows [T, cols, head_dim] → the new stream."""
+    def mix(self, stream: torch.Tensor, rows: torch.Tensor, chunks: list[Chunk],
+            dead: torch.Tensor | None = None) -> torch.Tensor:
+        """stream [T, hc, D] bf16 and the looked-up table rows [T, cols, head_dim] → the new stream.
+        `dead` [T] bool: image-span rows, whose gates are shut (they pass through unchanged)."""
         cfg = self.cfg
         n, d = cfg.hc_mult, cfg.hidden_size
         kv = self.wkv(rows.flatten(1))  # [T, (hc + 1)·dim] bf16
@@ -150,6 +159,8 @@ class Engram(nn.Module):
         dot = (h * weight * key).sum(-1) * rstd * d**-0.5
         signed = torch.copysign(dot.abs().clamp_min(self.GATE_FLOOR).sqrt(), dot)
         gate = per_chunk(nx.sigmoid, chunks, signed)
+        if dead is not None:
+            gate = gate.masked_fill(dead[:, None], 0.0)
         return (h + gate[..., None] * value.float()[:, None, :]).to(torch.bfloat16)
 
 
@@ -162,11 +173,17 @@ class ForwardOut:
 
 
 class V41Model(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, with_encoder: bool = True):
+        """`with_encoder`: build the vision tower when the checkpoint has one (False: the
+        language model only, as vLLM's --language-model-only)."""
         super().__init__()
         self.cfg = cfg
         v = cfg.v41
         self.embed = Param(cfg.vocab_size, cfg.hidden_size)
+        # The image encoder (ViT + aligner + span vectors); None for a text-only model.
+        self.encoder = (ImageEncoder(v.vision, cfg.hidden_size, v.image_token_id)
+                        if v.vision is not None and with_encoder else None)
+        self.encoder_skipped = v.vision is not None and not with_encoder  # --language-model-only
         self.layers = nn.ModuleList(Block(cfg, i, cfg.n_routed_experts, cfg.num_experts_per_tok)
                                     for i in range(cfg.num_layers))
         for slot, layer in enumerate(v.engram_layer_ids):
@@ -216,31 +233,43 @@ class V41Model(nn.Module):
         return self.freqs_compress if ratio else self.freqs_main
 
     # ---- forward ------------------------------------------------------------------------------
-    def forward(self, token_ids: torch.Tensor, chunks: list[Chunk],
-                host_ids: torch.Tensor | None = None) -> ForwardOut:
+    def forward(self, token_ids: torch.Tensor, chunks: list[Chunk], host_ids: torch.Tensor | None = None,
+                images: StepImages | None = None) -> ForwardOut:
         """token_ids [T] on the device; `host_ids`: the same on the host when the caller has them
-        (Engram hashes them there; otherwise they are read back)."""
+        (Engram hashes them there; otherwise they are read back). `images`: the rows that are
+        image-span positions and their embeddings (engine/v41/vision/placement.py)."""
         with nx.numerics(self.numerics):
-            return self._forward(token_ids, chunks, token_ids.cpu() if host_ids is None else host_ids)
+            return self._forward(token_ids, chunks, token_ids.cpu() if host_ids is None else host_ids, images)
 
-    def _hash_ids(self, host_ids: torch.Tensor, chunks: list[Chunk]) -> torch.Tensor | None:
+    def _hash_ids(self, host_ids: torch.Tensor, chunks: list[Chunk],
+                  dead: torch.Tensor | None = None) -> torch.Tensor | None:
         """[T, n_engram_layers, cols] hash ids on the host (each Engram layer moves its column to
-        its table); records each chunk's compressed ids by position."""
+        its table); records each chunk's compressed ids by position (DEAD at image positions)."""
         if self.hasher is None:
             return None
-        return torch.cat([self.hasher.step_ids(c.seq.engram, c.start, host_ids[c.rows]) for c in chunks])
+        return torch.cat([self.hasher.step_ids(c.seq.engram, c.start, host_ids[c.rows],
+                                               dead[c.rows] if dead is not None else None) for c in chunks])
 
-    def _forward(self, token_ids: torch.Tensor, chunks: list[Chunk], host_ids: torch.Tensor) -> ForwardOut:
+    def embed_rows(self, token_ids: torch.Tensor, images: StepImages | None) -> torch.Tensor:
+        """[T, dim] bf16: the token embeddings, image-span rows overwritten by their images'."""
+        x = self.embed.weight[token_ids]
+        if images is not None:
+            x[images.rows] = images.embeds
+        return x
+
+    def _forward(self, token_ids: torch.Tensor, chunks: list[Chunk], host_ids: torch.Tensor,
+                 images: StepImages | None = None) -> ForwardOut:
         cfg, v = self.cfg, self.cfg.v41
         device = self.device
-        hashes = self._hash_ids(host_ids, chunks)
+        hashes = self._hash_ids(host_ids, chunks, images.host_mask if images is not None else None)
         positions = torch.cat([torch.arange(c.start, c.end, device=device) for c in chunks])
-        stream = self.embed.weight[token_ids][:, None, :].repeat(1, cfg.hc_mult, 1)  # [T, hc, dim]
+        stream = self.embed_rows(token_ids, images)[:, None, :].repeat(1, cfg.hc_mult, 1)  # [T, hc, dim]
         pre_mix = identity_pre(token_ids.shape[0], cfg.hc_mult, device)
         targets, kept = {}, None
         for i, block in enumerate(self.layers):
+            mask = images.mask if images is not None else None
             if getattr(block, "engram", None) is not None:
-                stream = block.engram(stream, hashes[:, v.engram_layer_ids.index(i)], chunks)
+                stream = block.engram(stream, hashes[:, v.engram_layer_ids.index(i)], chunks, mask)
             if i in v.dspark_target_layer_ids:  # DSpark reads the attention input
                 targets[i] = (stream.mean(dim=1), kept)
             freqs = self.freqs_of(i)
@@ -249,7 +278,7 @@ class V41Model(nn.Module):
             def attend(x, block=block, rot=rot, freqs=freqs, positions=positions, chunks=chunks):
                 return block.attn(x, positions, rot, chunks, freqs)
 
-            stream, pre_mix = block(stream, pre_mix, attend, chunks)
+            stream, pre_mix = block(stream, pre_mix, attend, chunks, image_mask=mask)
             self.layers_run += 1
             if self.tail_rows is not None and i == v.tail_start:
                 sel = self._tail_selection(chunks)
@@ -257,6 +286,7 @@ class V41Model(nn.Module):
                     rows, chunks = sel
                     stream, pre_mix, positions = stream[rows], pre_mix[rows], positions[rows]
                     hashes = hashes[rows] if hashes is not None else None
+                    images = images.kept(rows) if images is not None else None
                     kept = rows if kept is None else kept[rows]
         x = nx.rms_norm(nx.hc_collapse(stream, pre_mix), self.norm.weight, cfg.rms_norm_eps)
         main = None

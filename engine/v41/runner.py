@@ -14,6 +14,10 @@ GPU), and so does its DSpark step, on the device from the sampled results: the s
 host once (sample and drafts together). Other steps, and every step while tracing or under
 expert parallelism, run the eager per-chunk forward, whose drafting reads the sample first.
 
+Images (DeepSeek-V4.1 vision): an eager step places the image rows its chunks cover
+(engine/v41/vision/placement.py), each image encoded once through the runner's `EncoderCache`;
+a step that holds any image position never runs in static shapes (they embed token ids only).
+
 Under expert parallelism (lockstep) a step with no rows is a dummy one: zero rows through every
 backbone MoE dispatch (engine/v41/expert_parallel.py `idle_forward`). DSpark's stages hold all
 their experts on every rank, so drafting needs no agreement.
@@ -30,6 +34,8 @@ from .dspark import DSpark
 from .expert_parallel import idle_forward
 from .model import ForwardOut, V41Model
 from .static_decode import V41StaticBackend, V41StaticStep
+from .vision.encoder import EncoderCache
+from .vision.placement import step_images
 
 DECODER_TAIL_MODES = ("exact", "approx")
 
@@ -37,7 +43,8 @@ DECODER_TAIL_MODES = ("exact", "approx")
 class V41Step:
     """One forward's chunks over the flattened tokens of its rows."""
 
-    def __init__(self, rows: list[StepSeq], device: torch.device, trace: bool = False, lockstep: bool = False):
+    def __init__(self, rows: list[StepSeq], device: torch.device, trace: bool = False, lockstep: bool = False,
+                 encoder_cache: EncoderCache | None = None):
         self.lockstep = lockstep  # expert parallel: an empty step still runs every MoE collective
         self.chunks, tokens, begin = [], [], 0
         for r in rows:
@@ -47,6 +54,7 @@ class V41Step:
             begin += n
         self.host_ids = torch.tensor(tokens, dtype=torch.long)  # Engram hashes these on the host
         self.token_ids = self.host_ids.to(device)
+        self.images = step_images(self.chunks, encoder_cache, device)  # None: no image position
 
     def run(self, model: V41Model, logit_rows: list[int] | None, inputs=None):
         """(ForwardOut or None when there are no rows, fp32 logits [len(logit_rows), V] or None)."""
@@ -54,7 +62,7 @@ class V41Step:
             if self.lockstep:
                 idle_forward(model)
             return None, None
-        out = model(self.token_ids, self.chunks, self.host_ids)
+        out = model(self.token_ids, self.chunks, self.host_ids, self.images)
         if not logit_rows:
             return out, None
         rows = torch.tensor(logit_rows, device=model.device)
@@ -80,6 +88,7 @@ class V41ModelRunner(ModelRunner):
         self._lockstep = False  # the current launch's
         self._static_batch = False  # whether the current launch's target forward runs in static shapes
         self.num_static_steps = 0  # steps whose target forward ran in static shapes
+        self.encoder_cache = EncoderCache(model.encoder) if model.encoder is not None else None
 
     def launch(self, batch, num_drafts: int | None = None, allow_static: bool = True, lockstep: bool = False,
                ahead=None):
@@ -90,15 +99,18 @@ class V41ModelRunner(ModelRunner):
     def _prepare(self, rows: list[StepSeq], kind: str = "model", allow_static: bool = True):
         step = self.static.prepare(rows) if allow_static and self._static_batch else None
         self.num_static_steps += step is not None
-        self.last_step = step if step is not None else V41Step(rows, self.device, self.trace, self._lockstep)
+        self.last_step = step if step is not None else V41Step(rows, self.device, self.trace, self._lockstep,
+                                                               self.encoder_cache)
         return self.last_step
 
     def static_ok(self, batch) -> bool:
         """A uniform decode/verify batch past position 0 that a static shape holds; never while
-        tracing (the traces are the eager forward's) or under expert parallelism (its dispatch)."""
+        tracing (the traces are the eager forward's), under expert parallelism (its dispatch) or
+        over an image position (a prompt's last token can be one)."""
         if self.static is None or self.trace or any(b.ffn.parallel is not None for b in self.model.layers):
             return False
-        return super().static_ok(batch) and all(s.start > 0 for s in batch.scheduled)
+        return (super().static_ok(batch) and all(s.start > 0 for s in batch.scheduled)
+                and not any(_meets_image(s.request.seq, s.start, s.end) for s in batch.scheduled))
 
     def _run_mtp(self, batch, out: ForwardOut | None, pending, sample, num_drafts: int, lockstep: bool, flow=None):
         """DSpark: observe this step's rows, then draft `num_drafts` tokens per sampling request
@@ -145,6 +157,8 @@ class V41ModelRunner(ModelRunner):
         for p in pending:
             s = p.sched
             position = s.end - s.num_draft - 1  # start + accepted is the drafts' anchor position
+            if _meets_image(s.request.seq, position, position + 1):
+                return None  # a static step embeds token ids only: draft eagerly
             chunk = chunk_of[id(s.request.seq)]
             rows.append(StepSeq(s.request.seq, position, [s.request.token_ids[position]]))
             hidden.append(chunk.begin + position - chunk.start)
@@ -163,3 +177,9 @@ class V41ModelRunner(ModelRunner):
         if not num_drafts:
             return None
         return _Drafts(list(range(len(pending))), drafts[:, :num_drafts].contiguous(), None)
+
+
+def _meets_image(seq, start: int, end: int) -> bool:
+    """Whether positions [start, end) of the sequence include an image-span position."""
+    images = getattr(seq, "multimodal", None)
+    return images is not None and images.meets(start, end)

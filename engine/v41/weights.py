@@ -11,6 +11,12 @@ stored value fits bf16). With `experts` (expert parallelism: engine/expert_paral
 `experts_to_load`), each listed MoE layer holds only those logical experts, read alone from the
 shards; unlisted layers (the DSpark stages) hold all of theirs. With `engram_tables='host'` the
 Engram tables are allocated and filled in CPU memory, never on the device.
+
+A checkpoint with a vision tower (`vision_config.num_hidden_layers` > 0) loads it with no flag:
+the release's `vision.*`, `aligner.*` and `image_start` / `image_end` / `image_newline` fill
+`encoder.*` (engine/v41/vision/encoder.py), every Gate's `bias_vl` its routing bias for image
+positions. `language_model_only` (vLLM's --language-model-only) builds no tower and reads none of
+its tensors; such a model refuses image input.
 """
 
 from __future__ import annotations
@@ -24,19 +30,21 @@ import torch
 from torch import nn
 
 from ..config import ENGRAM_TABLES, WEIGHT_DTYPES, ModelConfig
-from ..weight_names import v41_target_of
+from ..weight_names import Target, v41_target_of
 from ..weights import WeightLoadError, _Checkpoint, _Filler, _is_scale, shard_files, stored_formats
 from .dspark import DSparkStage
 from .model import V41Model
+from .vision.encoder import internal_name as vision_internal_name
 
 logger = logging.getLogger(__name__)
 
 
-def build_v41(cfg: ModelConfig, with_dspark: bool, experts: dict[int, list[int]] | None = None) -> V41Model:
+def build_v41(cfg: ModelConfig, with_dspark: bool, experts: dict[int, list[int]] | None = None,
+              with_encoder: bool = True) -> V41Model:
     """The model on the meta device; `experts`: MoE layer id (DSpark stage s = num_layers + s) →
-    the logical experts its slots hold."""
+    the logical experts its slots hold; `with_encoder`: the vision tower, when the config has one."""
     with torch.device("meta"):
-        model = V41Model(cfg)
+        model = V41Model(cfg, with_encoder)
         if with_dspark:
             model.mtp.extend(DSparkStage(cfg, s) for s in range(cfg.num_nextn_predict_layers))
     if experts is not None:
@@ -51,7 +59,7 @@ def moe_layers(model: V41Model) -> list[tuple[int, nn.Module]]:
     return [(i, b.ffn) for i, b in enumerate(model.layers)] + [(s.layer, s.ffn) for s in model.mtp]
 
 
-def _targets(ckpt: _Checkpoint, expected: set[str], load_stages: bool) -> dict:
+def _targets(ckpt: _Checkpoint, expected: set[str], load_stages: bool, load_encoder: bool) -> dict:
     out = {}
     for name in ckpt.location:
         if _is_scale(name, ckpt.location):
@@ -59,7 +67,11 @@ def _targets(ckpt: _Checkpoint, expected: set[str], load_stages: bool) -> dict:
         if name.startswith("mtp.") and not load_stages:
             out[name] = None  # read nothing, but account for it
             continue
-        target = v41_target_of(name)
+        vision = vision_internal_name(name)
+        if vision is not None and not load_encoder:
+            out[name] = None
+            continue
+        target = Target(vision) if vision is not None else v41_target_of(name)
         if target is None or target.internal not in expected:
             raise WeightLoadError(f"unexpected tensor {name} in {ckpt.location[name].name}")
         out[name] = target
@@ -89,7 +101,7 @@ def _materialize(model: V41Model, device: str, engram_tables: str) -> None:
 
 def load_v41(model_dir: str | Path, device: str = "cpu", progress: bool = False, load_mtp: bool = True,
              weight_dtype: str = "auto", experts: dict[int, list[int]] | None = None,
-             engram_tables: str = "device") -> V41Model:
+             engram_tables: str = "device", language_model_only: bool = False) -> V41Model:
     if weight_dtype not in WEIGHT_DTYPES:
         raise ValueError(f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {weight_dtype!r}")
     if engram_tables not in ENGRAM_TABLES:
@@ -98,9 +110,10 @@ def load_v41(model_dir: str | Path, device: str = "cpu", progress: bool = False,
     cfg = ModelConfig.from_model_dir(model_dir)
     ckpt = _Checkpoint(model_shards(model_dir))
     has_stages = any(n.startswith("mtp.") for n in ckpt.location)
-    model = build_v41(cfg, load_mtp and has_stages and cfg.num_nextn_predict_layers > 0)
+    model = build_v41(cfg, load_mtp and has_stages and cfg.num_nextn_predict_layers > 0,
+                      with_encoder=not language_model_only)
     names = {n for n, _ in model.named_parameters()}
-    targets = _targets(ckpt, names, len(model.mtp) > 0)
+    targets = _targets(ckpt, names, len(model.mtp) > 0, model.encoder is not None)
     if weight_dtype == "auto":
         for path, fmt in stored_formats(model, ckpt, targets).items():
             model.get_submodule(path).set_format(fmt)
