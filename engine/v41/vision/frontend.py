@@ -64,6 +64,12 @@ class VisionFrontend:
             return None
         return cls(v41.vision, v41.image_token_id, max_pixels)
 
+    @property
+    def max_image_bytes(self) -> int:
+        """An upper bound on one preprocessed image's pixel bytes under the model's token budget
+        (what a request ring's slot must hold per image)."""
+        return self.vision.max_patches * self.vision.patch_values
+
     def preprocess(self, image_bytes: bytes) -> PreprocessedImage:
         """Encoded image bytes → the pixels fed, the patch grid and the digest (ImageError, a
         ValueError naming the problem, for bytes that are no usable image)."""
