@@ -86,7 +86,11 @@ async def tokenize(request: web.Request) -> web.Response:
                                              add_bos=bool(body.get("add_special_tokens", True)),
                                              max_model_len=state.max_model_len)
     elif isinstance(body.get("messages"), list):  # the ids a chat request with these fields would have
-        rendered = await offload.run(state.renderer.render, parse_chat_request(body))
+        chat = parse_chat_request(body)
+        ids = await handlers.chat_prompt_ids(state, chat)
+        if ids is not None:  # images: their spans expanded
+            return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len})
+        rendered = await offload.run(state.renderer.render, chat)
         answer = await offload.tokenize_body(state.tokenizer, text=rendered.text, add_bos=False,
                                              max_model_len=state.max_model_len)
     else:

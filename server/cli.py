@@ -109,6 +109,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="sliding state at a prefix hit: exact (snapshots at block boundaries, else a replay of "
                         "the window stack's receptive field; output as a cold run) or bounded (vLLM's "
                         "approximation: recompute only the last window before the hit)")
+    g = p.add_argument_group("image input (DeepSeek-V4.1)")
+    g.add_argument("--language-model-only", action="store_true",
+                   help="load no vision tower (vLLM's flag): the model serves text, and image input is refused")
+    g.add_argument("--limit-mm-per-prompt", default=None, metavar="JSON",
+                   help='images per prompt, in vLLM\'s form: \'{"image": 4}\' (default 8; 0 refuses images)')
     add_parallel_args(p)
 
 
@@ -166,7 +171,26 @@ def engine_config_from(args: argparse.Namespace):
                         kv_cache_memory_bytes=int(args.kv_cache_memory * 2**30), block_size=args.block_size,
                         decoder_tail=args.decoder_tail,
                         enable_prefix_caching=getattr(args, "enable_prefix_caching", True),
-                        prefix_replay=getattr(args, "prefix_replay", "exact"))
+                        prefix_replay=getattr(args, "prefix_replay", "exact"), **_vision_fields(args))
+
+
+def _vision_fields(args: argparse.Namespace) -> dict:
+    """EngineConfig's vision switches the engine knows (`language_model_only`)."""
+    import dataclasses
+
+    from engine.config import EngineConfig
+
+    known = {f.name for f in dataclasses.fields(EngineConfig)}
+    lmo = getattr(args, "language_model_only", False)
+    return {"language_model_only": lmo} if "language_model_only" in known else {}
+
+
+def multimodal_from(args: argparse.Namespace, model_cfg, policy=None):
+    """The image input of a model under the flags (server/multimodal.py); ValueError naming the flag."""
+    from server.multimodal import Multimodal, parse_mm_limit
+
+    return Multimodal.for_model(model_cfg, language_model_only=getattr(args, "language_model_only", False),
+                                limit=parse_mm_limit(getattr(args, "limit_mm_per_prompt", None)), policy=policy)
 
 
 def _add_kv_report(sub: argparse._SubParsersAction) -> None:

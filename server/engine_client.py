@@ -36,7 +36,7 @@ from typing import AsyncIterator, Union
 from engine.config import EngineConfig, ParallelConfig
 from ipc import (Abort, Finished, Heartbeat, IpcError, RingClosed, RingConfig, RingTimeout, SamplingParams, Shutdown,
                  StepOutputs, Submit, TokenDelta, Wake, WorkerReady, decode, encode)
-from ipc.messages import Parked
+from ipc.messages import ImageData, Parked
 from ipc.segment import remove_orphans
 
 from .links import LocalLink, NodeChannel, RankLink
@@ -52,11 +52,16 @@ class WorkerDied(RuntimeError):
     pass
 
 
-def _slot_bytes(max_model_len: int | None) -> int:
-    """A request-ring slot must hold a Submit of the longest prompt (≤ 5 bytes a token) plus
-    its header."""
-    need = 5 * (max_model_len or 32768) + (64 << 10)
-    return max(1 << 20, -(-need // 64) * 64)
+REQUEST_RING_BYTES = 512 << 20  # a request ring's slots shrink in number, not below 8, to stay within this
+
+
+def request_ring(max_model_len: int | None, image_bytes: int = 0) -> RingConfig:
+    """A request-ring slot must hold a Submit of the longest prompt (≤ 5 bytes a token), its
+    images' pixels (`image_bytes`: the per-prompt image limit × the largest image the model's
+    token budget allows) and its header. Rings with large slots get fewer of them."""
+    need = 5 * (max_model_len or 32768) + image_bytes + (64 << 10)
+    slot = max(1 << 20, -(-need // 64) * 64)
+    return RingConfig(slot_bytes=slot, num_slots=max(8, min(64, REQUEST_RING_BYTES // slot)))
 
 
 @dataclass
@@ -82,14 +87,14 @@ class EngineClient:
     def __init__(self, model_dir: str | Path, config: EngineConfig, dp: int | None = None, device: str = "cpu",
                  threads_per_worker: int | None = None, ring_config: RingConfig | None = None,
                  stuck_after_s: float = 60.0, liveness_timeout_s: float = 5.0, ready_timeout_s: float = 600.0,
-                 routing: str = "token_load", parallel: ParallelConfig | None = None):
+                 routing: str = "token_load", parallel: ParallelConfig | None = None, image_bytes: int = 0):
         if dp is not None and dp < 1:
             raise ValueError(f"--dp must be ≥ 1, got {dp}")
         self.parallel = parallel or ParallelConfig(data_parallel_size=dp or 1)
         dp = self.parallel.data_parallel_size
         self.model_dir, self.config, self.dp, self.device = str(model_dir), config, dp, device
         self.threads = threads_per_worker or max(1, (os.cpu_count() or 1) // self.parallel.local_size)
-        self.ring_config = ring_config or RingConfig(slot_bytes=_slot_bytes(config.max_model_len), num_slots=64)
+        self.ring_config = ring_config or request_ring(config.max_model_len, image_bytes)
         self.stuck_after_s = stuck_after_s
         self.liveness_timeout_s = liveness_timeout_s
         self.ready_timeout_s = ready_timeout_s
@@ -221,10 +226,12 @@ class EngineClient:
 
     # ---- requests --------------------------------------------------------------------------
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: int | None = None,
-                       session: str | None = None, kv_transfer_params=None) -> AsyncIterator[Output]:
+                       session: str | None = None, kv_transfer_params=None,
+                       images: list[ImageData] | None = None) -> AsyncIterator[Output]:
         """Submit a request and yield its output as it arrives, ending with its `Finished`.
         Cancelling the iteration aborts the request in its worker. `kv_transfer_params`: a leg
-        of a PD-disaggregated request (engine.kv_transfer.protocol.KVTransferParams)."""
+        of a PD-disaggregated request (engine.kv_transfer.protocol.KVTransferParams); `images`:
+        its preprocessed images (DeepSeek-V4.1, span starts in the expanded prompt)."""
         rid = self.new_request_id() if request_id is None else request_id
         try:
             rank = self.router.assign(rid, len(prompt_token_ids), params.max_tokens, session)
@@ -239,8 +246,8 @@ class EngineClient:
         r.unfinished.add(rid)
         finished = False
         try:
-            await r.link.send("requests", encode(Submit(rid, prompt_token_ids, params, kv_transfer_params),
-                                                  max_bytes=r.link.capacity("requests")), timeout=30.0)
+            submit = Submit(rid, prompt_token_ids, params, kv_transfer_params, images or [])
+            await r.link.send("requests", encode(submit, max_bytes=r.link.capacity("requests")), timeout=30.0)
             r.parked = None  # the submission wakes it
             if self.parallel.grouped and any(x.parked is not None for x in self.ranks):
                 await self._wake_group(max(x.parked for x in self.ranks if x.parked is not None), r)

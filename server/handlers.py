@@ -10,6 +10,7 @@ Anthropic and Responses endpoints take the same way through `prepare_chat` and `
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -27,6 +28,7 @@ from ipc.messages import PromptLogprobs
 
 from . import offload
 from .chat import ContentDelta, ReasoningDelta, ToolCallArgumentsDelta, ToolCallStart
+from .chat.deepseek_format import IMAGE_PLACEHOLDER
 from .chat_output import ChatOutput
 from .chat_render import Rendered
 from .protocol import GenerationRequest, ProtocolError, checked, parse_chat, parse_completion
@@ -89,15 +91,69 @@ async def _completion_prompts(state: AppState, req: GenerationRequest) -> list[l
 async def prepare_chat(state: AppState, req: GenerationRequest) -> tuple[list[int], Rendered]:
     """A chat request's prompt ids, through the model family's renderer (off the loop: a long
     conversation renders and encodes on the pool), its grammar settled (a forced tool choice, or
-    a response format that starts after the reasoning) and checked. Every chat API calls this."""
-    rendered = await offload.run(state.renderer.render, req.chat)
+    a response format that starts after the reasoning) and checked, its images (if any) loaded
+    and their spans expanded into the ids (`req.images`). Every chat API calls this."""
+    rendered, image_urls = await render_chat(state, req.chat)
     structured = state.renderer.grammar(req.chat, rendered, req.params.structured)
     if structured is not req.params.structured:
         req.params = checked(replace(req.params, structured=structured))
     await _check_grammar(state, req)
     ids = await offload.encode(state.tokenizer, rendered.text, add_bos=False)  # the text holds its BOS
+    if image_urls is not None:
+        ids = await _with_images(state, req, ids, image_urls)
     _fit_context(state, req, [ids])
     return ids, rendered
+
+
+async def render_chat(state: AppState, chat) -> tuple[Rendered, tuple[list, list] | None]:
+    """The rendered prompt, and for a request with images their (URLs, places) in placeholder
+    order (server/multimodal.py: rendered with markers, which then become the image token)."""
+    from . import multimodal
+
+    if not multimodal.has_images(chat.messages):
+        return await offload.run(state.renderer.render, chat), None
+    mm = state.multimodal
+    if mm is None or mm.refusal is not None:
+        raise ProtocolError(mm.refusal if mm is not None else "this server takes no image input", "messages",
+                            "images_not_supported")
+    if state.renderer.version != "v41":
+        raise ProtocolError("images need DeepSeek-V4.1's chat format (--tokenizer-mode deepseek_v41)", "messages",
+                            "images_not_supported")
+    marked = multimodal.mark_images(chat.messages)
+    rendered = await offload.run(state.renderer.render, dataclasses.replace(chat, messages=marked.messages))
+    text, order = marked.placeholders(rendered.text, IMAGE_PLACEHOLDER)
+    mm.check_accepts(len(order))
+    return dataclasses.replace(rendered, text=text), ([marked.urls[k] for k in order], [marked.places[k] for k in order])
+
+
+async def chat_prompt_ids(state: AppState, chat) -> list[int] | None:
+    """/tokenize and count_tokens of a conversation with images: the ids it would run with, its
+    image spans expanded (the images loaded and preprocessed to know their sizes). None: no images
+    (the caller tokenizes the text its own way)."""
+    rendered, image_urls = await render_chat(state, chat)
+    if image_urls is None:
+        return None
+    ids = await offload.encode(state.tokenizer, rendered.text, add_bos=False)
+    return state.multimodal.expand(ids, await state.multimodal.load(*image_urls))[0]
+
+
+async def _with_images(state: AppState, req: GenerationRequest, ids: list[int], image_urls: tuple[list, list]) -> list[int]:
+    """The prompt with its image spans; the images on `req` (a PD decode leg: none, its spans
+    from the prefill's answer)."""
+    from .multimodal import PrefilledImage
+
+    mm = state.multimodal
+    kv = req.kv_transfer_params
+    if kv is not None and kv.do_remote_prefill and req.prefilled_images is not None:
+        return mm.expand_prefilled(ids, req.prefilled_images)  # the KV is the prefill's: no pixels needed
+    if req.prefilled_images is not None:
+        raise ProtocolError("'prefilled_images' is only valid on a PD decode leg", "prefilled_images", "invalid_value")
+    images = await mm.load(*image_urls)
+    ids, req.images = mm.expand(ids, images)
+    if kv is not None and kv.do_remote_prefill:  # a decode leg from another proxy: the spans, never the pixels
+        req.images = []
+    req.prefilled_images = [PrefilledImage(im.n_vit_h, im.n_vit_w, im.digest) for im in images]
+    return ids
 
 
 async def _check_grammar(state: AppState, req: GenerationRequest) -> None:
@@ -211,6 +267,8 @@ class _OpenAIResponse:
             from engine.kv_transfer.protocol import params_to_json
 
             body["kv_transfer_params"] = params_to_json(self.gen.kv_transfer_params)
+            if self.req.images:  # what the decode leg needs to lay out the same image spans
+                body["prefilled_images"] = [p.to_json() for p in self.req.prefilled_images]
         return web.json_response(body)
 
     def _chat_events(self, event: ChoiceEvent) -> list:

@@ -29,14 +29,13 @@ import zmq
 import zmq.asyncio
 
 from engine.config import EngineConfig, ParallelConfig
-from ipc import RingConfig
 from ipc import Shutdown, WorkerReady, decode
 from ipc.errors import IpcError, RingClosed, RingTimeout
 from ipc.segment import remove_orphans
 
 from . import cluster_auth
 from .channel_guard import DropLog, guarded
-from .engine_client import _slot_bytes, config_digest, worker_device
+from .engine_client import config_digest, request_ring, worker_device
 from .links import LocalLink
 from .node_wire import (DECODE, ENCODE, ENVELOPE_BYTES, NODE_ALIVE_S, TO_RANK, NodeAlive, NodeBye, NodeHello,
                         NodeRefused, NodeWelcome, RankExited, RankMessage, heartbeat_socket)
@@ -53,7 +52,8 @@ class NodeError(ConnectionError):
 
 class HeadlessNode:
     def __init__(self, model_dir: str, config: EngineConfig, parallel: ParallelConfig, device: str = "cpu",
-                 threads_per_worker: int | None = None, auth: cluster_auth.ClusterAuth | None = None):
+                 threads_per_worker: int | None = None, auth: cluster_auth.ClusterAuth | None = None,
+                 image_bytes: int = 0):
         import os
 
         self.model_dir, self.config, self.parallel, self.device = str(model_dir), config, parallel, device
@@ -62,7 +62,7 @@ class HeadlessNode:
         # This node's ranks listen too (their gloo/NCCL ports, on the interface toward the head).
         self.auth.check_listen(parallel.data_parallel_address, "this node's ranks (toward the head at "
                                f"{parallel.data_parallel_address})")
-        self.ring = RingConfig(slot_bytes=_slot_bytes(config.max_model_len), num_slots=64)
+        self.ring = request_ring(config.max_model_len, image_bytes)  # image_bytes: as the head's (serve.py)
         self.drops = DropLog(cluster_auth.NODE_CHANNEL)
         self.ctx = zmq.asyncio.Context()
         self.sock: zmq.asyncio.Socket | None = None

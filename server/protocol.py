@@ -59,6 +59,11 @@ class GenerationRequest:
     score_only: bool = False
     prompt_logprobs: int | None = None
     kv_transfer_params: Any = None  # PD disaggregation: engine.kv_transfer.protocol.KVTransferParams
+    # Images (chat, DeepSeek-V4.1): the prompt's ipc ImageData in span order, set by prepare_chat;
+    # on a PD prefill leg also what its decode leg needs (multimodal.PrefilledImage); on a decode
+    # leg the prefill's answer for them (`prefilled_images`).
+    images: list = field(default_factory=list)
+    prefilled_images: list | None = None
 
 
 # ---- field readers ---------------------------------------------------------------------------
@@ -283,4 +288,12 @@ def parse_chat(body: Any, limits: Limits, served: list[str]) -> GenerationReques
     given = body.get("max_completion_tokens") is not None or body.get("max_tokens") is not None
     return GenerationRequest(model, [], chat, params, n, stream, include, _stop(body, limits), logprobs=logprobs,
                              user=_user(body, limits), max_tokens_given=given, continuous_usage=continuous,
-                             kv_transfer_params=_kv_transfer_params(body, 1, n, stream))
+                             kv_transfer_params=_kv_transfer_params(body, 1, n, stream),
+                             prefilled_images=_prefilled_images(body))
+
+
+def _prefilled_images(body: dict):
+    """PD decode leg: the images' grids the prefill leg answered with (ringserve's proxy sets it)."""
+    from .multimodal import parse_prefilled
+
+    return parse_prefilled(body.get("prefilled_images"))

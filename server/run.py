@@ -90,8 +90,10 @@ class Generation:
             timer.finish(choice.state.finish_reason or "abort", len(ids), len(choice.state.token_ids))
 
     async def _consume(self, choice: ChoiceStream, ids: list[int], params, timer) -> None:
-        kv = {"kv_transfer_params": self.req.kv_transfer_params} if self.req.kv_transfer_params is not None else {}
-        async for item in self.state.client.generate(ids, params, session=self.req.user, **kv):
+        kw = {"kv_transfer_params": self.req.kv_transfer_params} if self.req.kv_transfer_params is not None else {}
+        if self.req.images:
+            kw["images"] = self.req.images
+        async for item in self.state.client.generate(ids, params, session=self.req.user, **kw):
             if isinstance(item, Finished):
                 timer.scheduled(timer.arrival + item.queued_s)  # the worker measured the queue
                 if item.kv_transfer_params is not None:

@@ -70,10 +70,36 @@ def add_serve_parser(sub: argparse._SubParsersAction, add_engine_args) -> None:
                    help="a worker whose heartbeats stop for this long is reported stuck (stopped, or holding the GIL)")
     p.add_argument("--threads-per-worker", type=int, default=None)
     p.add_argument("--device", default="cpu", help="cpu, or cuda (one worker per GPU)")
+    add_media_args(p)
     add_cluster_args(p)
     add_engine_args(p)
     add_pd_args(p)
     p.set_defaults(func=cmd_serve)
+
+
+def add_media_args(p: argparse.ArgumentParser) -> None:
+    from .media_fetch import DEFAULT_MAX_BYTES, DEFAULT_MAX_REDIRECTS, DEFAULT_TIMEOUT_S
+
+    g = p.add_argument_group("image URLs (DeepSeek-V4.1)")
+    g.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                   help="let requests read images from file:// URLs under this directory (symlinks resolved; "
+                        "a security risk on shared machines, as in vLLM)")
+    g.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
+                   help="fetch http(s) image URLs from these hosts only; a listed host may resolve to any "
+                        "address (loopback and private ones included). Unset: any host whose addresses are public")
+    g.add_argument("--media-fetch-timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                   help="seconds one image URL's fetch may take, redirects included")
+    g.add_argument("--media-max-bytes", type=int, default=DEFAULT_MAX_BYTES,
+                   help="largest image file fetched or read, in bytes")
+    g.add_argument("--media-max-redirects", type=int, default=DEFAULT_MAX_REDIRECTS,
+                   help="redirects an image URL may take (each hop's address checked); 0 refuses redirects")
+
+
+def media_policy_from(args: argparse.Namespace):
+    from .media_fetch import MediaPolicy
+
+    return MediaPolicy.from_flags(args.allowed_local_media_path, args.allowed_media_domains, args.media_max_bytes,
+                                  args.media_fetch_timeout, args.media_max_redirects)
 
 
 def add_cluster_args(p: argparse.ArgumentParser) -> None:
@@ -117,8 +143,13 @@ async def serve_headless(args: argparse.Namespace) -> int:
     parallel = parallel_config_from(args)
     config = replace(engine_config_from(args), kv_transfer=kv_transfer_config_from(args, model_dir))
     check_pd_listeners(args, config.kv_transfer, cluster_auth.current())
+    from engine.config import ModelConfig
+    from server.cli import multimodal_from
+
+    images = multimodal_from(args, ModelConfig.from_model_dir(model_dir))
     node = HeadlessNode(model_dir, config.resolved(), parallel, device=args.device,
-                        threads_per_worker=args.threads_per_worker, auth=cluster_auth.current())
+                        threads_per_worker=args.threads_per_worker, auth=cluster_auth.current(),
+                        image_bytes=images.submit_bytes)
     ranks = f"ranks {parallel.local_ranks.start}-{parallel.local_ranks.stop - 1}"
     head = f"{parallel.data_parallel_address}:{parallel.data_parallel_rpc_port}"
     feeder = WatchdogFeeder(lambda: node.healthy)
@@ -151,7 +182,7 @@ def chat_family(args: argparse.Namespace, model_cfg) -> str:
 async def serve(args: argparse.Namespace) -> int:
     from engine.config import ModelConfig
     from server.builtin import builtin_model_dir
-    from server.cli import engine_config_from, parallel_config_from
+    from server.cli import engine_config_from, multimodal_from, parallel_config_from
     from server.engine_client import EngineClient
     from server.tokenizer import Tokenizer
 
@@ -166,11 +197,12 @@ async def serve(args: argparse.Namespace) -> int:
     model_cfg = ModelConfig.from_model_dir(model_dir)
     tokenizer = Tokenizer.from_dir(model_dir)
     renderer = ChatRenderer(chat_family(args, model_cfg), tokenizer)
+    images = multimodal_from(args, model_cfg, media_policy_from(args))  # a bad media flag fails before loading
     config = replace(engine_config_from(args), kv_transfer=kv_transfer).resolved()
     name = args.served_model_name or (model_dir.name if args.model_dir else "ringserve-builtin")
     client = EngineClient(model_dir, config, device=args.device, threads_per_worker=args.threads_per_worker,
                           stuck_after_s=args.watchdog_timeout, liveness_timeout_s=args.worker_liveness_timeout,
-                          parallel=parallel)
+                          parallel=parallel, image_bytes=images.submit_bytes)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):  # from the start: a stop while loading stops every worker
@@ -186,7 +218,7 @@ async def serve(args: argparse.Namespace) -> int:
                      max_queued_requests=args.max_queued_requests, request_timeout_s=args.request_timeout,
                      body_timeout_s=args.body_timeout, metrics=Metrics(name),
                      grammar_checker=GrammarChecker(model_dir, model_cfg.vocab_size, list(model_cfg.eos_token_ids),
-                                                    structured), renderer=renderer)
+                                                    structured), renderer=renderer, multimodal=images)
     app = make_app(state)
     if config.kv_transfer is not None:
         add_kv_routes(app, client)
@@ -230,6 +262,7 @@ async def serve(args: argparse.Namespace) -> int:
     stats_task.cancel()
     await feeder.stop()
     state.grammar_checker.close()
+    await images.close()
     await client.shutdown()  # unfinished requests end with finish_reason "abort" (or a dead rank's cause)
     deadline = time.monotonic() + FLUSH_TIMEOUT_S
     while state.in_flight and time.monotonic() < deadline:  # let their handlers write the last events

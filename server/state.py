@@ -49,6 +49,7 @@ class AppState:
     metrics: object | None = None
     grammar_checker: object | None = None  # server/structured.py GrammarChecker (None: specs go unchecked)
     renderer: object | None = None  # server/chat_render.py ChatRenderer (the model family's chat format)
+    multimodal: object | None = None  # server/multimodal.py Multimodal (None: no image input)
     ready: bool = False
     draining: bool = False
     started_at: float = field(default_factory=time.time)

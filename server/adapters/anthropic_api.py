@@ -27,7 +27,7 @@ from aiohttp import web
 from .. import offload
 from ..chat import ContentDelta, OutputEvent, ReasoningDelta, ToolCallArgumentsDelta, ToolCallStart
 from ..errors import ProtocolError
-from ..handlers import read_json
+from ..handlers import chat_prompt_ids, read_json
 from ..protocol import parse_chat
 from ..state import STATE
 from .anthropic_request import translate
@@ -72,8 +72,11 @@ async def count_tokens(request: web.Request) -> web.Response:
     translation = translate(await read_json(request), state.renderer.version, count_only=True)
     with translation.api_names():
         req = parse_chat(translation.body, state.limits, state.served_names)
-        rendered = await offload.run(state.renderer.render, req.chat)
-    ids = await offload.encode(state.tokenizer, rendered.text, add_bos=False)  # the text holds its BOS
+        ids = await chat_prompt_ids(state, req.chat)  # with images: their spans expanded
+        if ids is None:
+            rendered = await offload.run(state.renderer.render, req.chat)
+    if ids is None:
+        ids = await offload.encode(state.tokenizer, rendered.text, add_bos=False)  # the text holds its BOS
     return web.json_response({"input_tokens": len(ids)})
 
 

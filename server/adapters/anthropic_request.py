@@ -9,8 +9,9 @@ chat-completions body, the way vLLM's Anthropic endpoint translates it.
   arguments string; `tool_result` (user) → a `tool` message answering its `tool_use_id` (content a
   string or text blocks; `is_error: true` prefixes the text with "Error: ", since DeepSeek's tool
   results carry no error flag); `thinking` → the assistant turn's `reasoning_content`;
-  `redacted_thinking` is dropped (opaque); `image` and `document` are refused until the server
-  takes images.
+  `redacted_thinking` is dropped (opaque); `image` (user messages and tool results; source
+  `base64` → a `data:` URL, `url` → the URL) → an `image_url` part (DeepSeek-V4.1 with its
+  vision tower; server/multimodal.py loads it); `document` is refused.
 - `tools` (custom tools: `name`, `description`, `input_schema`) → function tools; server tools
   (`web_search_…`, `bash_…`, …) are refused. `tool_choice` auto / any (→ required) / none / tool
   (→ the named function); `disable_parallel_tool_use` → `parallel_tool_calls: false`.
@@ -34,8 +35,8 @@ from .common import Translation, reasoning_fields
 
 BILLING_HEADER = "x-anthropic-billing-header"
 _SAMPLING = ("temperature", "top_p", "top_k", "stream")
-_UNSUPPORTED_BLOCKS = {"image": "image input is not supported by this server yet",
-                       "document": "document input is not supported by this server"}
+_UNSUPPORTED_BLOCKS = {"document": "document input is not supported by this server"}
+IMAGE_MEDIA_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")  # what Anthropic's API takes
 # The chat path's names for what an Anthropic client calls otherwise, in error messages.
 _PARAMS = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences", "user": "metadata",
            "response_format": "output_config", "chat_template_kwargs": "thinking",
@@ -117,6 +118,8 @@ def _message(message: Any, where: str, out: list[dict], sources: list[str]) -> N
         kind = _block_type(block, spot)
         if kind == "text":
             parts.append({"type": "text", "text": _text(block, spot)})
+        elif kind == "image":
+            parts.append(_image(block, spot))
         elif kind == "tool_result":
             if parts:  # text before a tool result: keep the order
                 out.append({"role": "user", "content": parts})
@@ -164,7 +167,7 @@ def _block_type(block: Any, spot: str) -> str:
         raise _fail(f"{spot} must be a content block with a 'type'", "messages")
     if kind in _UNSUPPORTED_BLOCKS:
         raise ProtocolError(f"{spot}: {_UNSUPPORTED_BLOCKS[kind]}", "messages", "unsupported")
-    if kind not in ("text", "tool_use", "tool_result", "thinking", "redacted_thinking"):
+    if kind not in ("text", "image", "tool_use", "tool_result", "thinking", "redacted_thinking"):
         raise ProtocolError(f"{spot}: content blocks of type {kind!r} are not supported", "messages", "unsupported")
     return kind
 
@@ -190,21 +193,58 @@ def _tool_result(block: dict, spot: str) -> dict:
     if not isinstance(call_id, str) or not call_id:
         raise _fail(f"{spot}.tool_use_id must be a non-empty string", "messages")
     content = block.get("content", "")
-    if isinstance(content, list):
-        texts = []
-        for j, inner in enumerate(content):
-            inner_spot = f"{spot}.content[{j}]"
-            if _block_type(inner, inner_spot) != "text":
-                raise ProtocolError(f"{inner_spot}: a tool result holds text blocks only here", "messages",
-                                    "unsupported")
-            texts.append(_text(inner, inner_spot))
-        content = "\n".join(texts)
-    elif not isinstance(content, str):
-        raise _fail(f"{spot}.content must be a string or an array of text blocks", "messages")
     is_error = block.get("is_error", False)
     if not isinstance(is_error, bool):
         raise _fail(f"{spot}.is_error must be a boolean", "messages")
-    return {"role": "tool", "tool_call_id": call_id, "content": f"Error: {content}" if is_error else content}
+    prefix = "Error: " if is_error else ""
+    if isinstance(content, list):
+        parts: list[dict] = []  # text blocks in a row joined by newlines, images between them
+        for j, inner in enumerate(content):
+            inner_spot = f"{spot}.content[{j}]"
+            kind = _block_type(inner, inner_spot)
+            if kind == "image":
+                parts.append(_image(inner, inner_spot))
+            elif kind == "text":
+                if parts and parts[-1]["type"] == "text":
+                    parts[-1]["text"] += "\n" + _text(inner, inner_spot)
+                else:
+                    parts.append({"type": "text", "text": _text(inner, inner_spot)})
+            else:
+                raise ProtocolError(f"{inner_spot}: a tool result holds text and image blocks only", "messages",
+                                    "unsupported")
+        if all(p["type"] == "text" for p in parts):
+            content = "\n".join(p["text"] for p in parts)
+        else:
+            if prefix:
+                parts.insert(0, {"type": "text", "text": prefix.rstrip()})
+            return {"role": "tool", "tool_call_id": call_id, "content": parts}
+    elif not isinstance(content, str):
+        raise _fail(f"{spot}.content must be a string or an array of text and image blocks", "messages")
+    return {"role": "tool", "tool_call_id": call_id, "content": prefix + content}
+
+
+def _image(block: dict, spot: str) -> dict:
+    """An image block as a chat `image_url` part (loaded later, by the chat path)."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64":
+        media_type, data = source.get("media_type"), source.get("data")
+        if media_type not in IMAGE_MEDIA_TYPES:
+            raise _fail(f"{spot}.source.media_type must be one of {', '.join(IMAGE_MEDIA_TYPES)}, got {media_type!r}",
+                        "messages")
+        if not isinstance(data, str) or not data:
+            raise _fail(f"{spot}.source.data must be a non-empty base64 string", "messages")
+        return {"type": "image_url", "image_url": {"url": f"data:{media_type};base64,{data}"}}
+    if kind == "url":
+        url = source.get("url")
+        if not isinstance(url, str) or not url:
+            raise _fail(f"{spot}.source.url must be a non-empty string", "messages")
+        return {"type": "image_url", "image_url": {"url": url}}
+    if kind == "file":
+        raise ProtocolError(f"{spot}: images by file_id need the Files API, which this server does not have; send "
+                            "the image as base64 or a URL", "messages", "unsupported")
+    raise _fail(f"{spot}.source must be {{\"type\": \"base64\", \"media_type\", \"data\"}} or "
+                f"{{\"type\": \"url\", \"url\"}}", "messages")
 
 
 def _tools(tools: Any) -> list[dict] | None:

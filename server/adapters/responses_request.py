@@ -6,7 +6,8 @@ templates; `store: true` is served like `store: false` and the response says `"s
 
 - `instructions` → a leading system message; `input` as text → one user message; as items:
   messages (role user / system / developer / assistant; content a string or `input_text` /
-  `output_text` / `refusal` parts; images, files and audio refused), `function_call` → a tool call
+  `output_text` / `refusal` parts, `input_image` by `image_url` → a chat image part (DeepSeek-V4.1;
+  by `file_id` refused: nothing is stored); files and audio refused), `function_call` → a tool call
   of the assistant turn (joined to the assistant message just before it), `function_call_output`
   → a `tool` message answering its `call_id`, `reasoning` (its `reasoning_text` content, else its
   summary) → the `reasoning_content` of the assistant turn it belongs to (the next one, or the one
@@ -151,8 +152,9 @@ class _Conversation:
         if not isinstance(call_id, str) or not call_id:
             raise _fail(f"{where}.call_id must be a non-empty string", "input")
         if isinstance(output, list):
-            output = "\n".join(part["text"] for part in _content(output, where))
-        if not isinstance(output, str):
+            parts = _content(output, where)
+            output = "\n".join(p["text"] for p in parts) if all(p["type"] == "text" for p in parts) else parts
+        if not isinstance(output, (str, list)):
             raise _fail(f"{where}.output must be a string or an array of input_text parts", "input")
         self.append({"role": "tool", "tool_call_id": call_id, "content": output}, where)
 
@@ -173,8 +175,11 @@ def _content(content: Any, where: str) -> str | list[dict]:
     parts = []
     for k, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "input_image":
+            parts.append(_input_image(part, f"{where}.content[{k}]"))
+            continue
         if kind not in _TEXT_PARTS:
-            what = "image, file and audio input are" if kind in ("input_image", "input_file", "input_audio") else \
+            what = "file and audio input are" if kind in ("input_file", "input_audio") else \
                 f"content parts of type {kind!r} are"
             raise _fail(f"{where}.content[{k}]: {what} not supported by this server", "input", "unsupported")
         text = part.get(_TEXT_PARTS[kind])
@@ -182,6 +187,16 @@ def _content(content: Any, where: str) -> str | list[dict]:
             raise _fail(f"{where}.content[{k}].{_TEXT_PARTS[kind]} must be a string", "input")
         parts.append({"type": "text", "text": text})
     return parts
+
+
+def _input_image(part: dict, where: str) -> dict:
+    url = part.get("image_url")
+    if url is None and part.get("file_id") is not None:
+        raise _fail(f"{where}: an input_image by file_id needs stored files, which this stateless server has not; "
+                    "send image_url (a data: or http(s) URL)", "input", "unsupported")
+    if not isinstance(url, str) or not url:
+        raise _fail(f"{where}.image_url must be a non-empty string (a data: or http(s) URL)", "input")
+    return {"type": "image_url", "image_url": {"url": url}}
 
 
 def _reasoning_text(item: dict, where: str) -> str:

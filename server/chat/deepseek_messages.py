@@ -92,7 +92,7 @@ def _image_has_source(part: dict) -> bool:
         return bool(url if isinstance(url, str) else (url or {}).get("url"))
     if kind == "input_image":
         return bool(part.get("image_url") or part.get("file_id"))
-    return any(part.get(key) for key in ("source", "url", "data"))
+    return any(part.get(key) for key in ("source", "url", "data", "image"))
 
 
 def _check_text(text: str, index: int, version: str, what: str) -> str:
