@@ -26,7 +26,6 @@ Images (DeepSeek-V4.1 vision): every position of an image span carries the same 
 block's key also folds in the content digest of each image whose span starts in it (`_extend_hashes`);
 the chain carries it into every later block, so two requests with the same text and different
 images never share a block from the first one that holds an image position on.
-
 Per-sequence state that is a function of the tokens alone (V4.1's Engram compressed-id history)
 is rebuilt by the cache from the token ids below S (`rebuild_history`), for restores and replays
 alike. While a request recomputes positions below H their global records are not written: those
@@ -46,8 +45,8 @@ import math
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
 
-from .config import PREFIX_REPLAY_MODES
 from .block_manager import block_hash
+from .config import PREFIX_REPLAY_MODES
 from .kv_snapshot import SlidingState, boundary_rows, export_state, import_state
 from .v41.vision.inputs import multimodal_of
 

@@ -111,9 +111,13 @@ def test_engine_recheck_refuses_inconsistent_images(frontend):
         check_request_images(good, ids[:-3], CFG, IMAGE_TOKEN)
     with pytest.raises(ValueError, match="outside the images' spans"):
         check_request_images(good, ids + [IMAGE_TOKEN], CFG, IMAGE_TOKEN)
-    short = [type(good[0])(good[0].start, good[0].n_vit_h, good[0].n_vit_w, good[0].pixels[:-3], good[0].digest)]
+    im = good[0]
+    short = [type(im)(im.start, im.n_vit_h, im.n_vit_w, im.pixels[:-3], im.digest)]
     with pytest.raises(ValueError, match="pixel bytes"):
         check_request_images(short, ids, CFG, IMAGE_TOKEN)
+    forged = [type(im)(im.start, im.n_vit_h, im.n_vit_w, bytes(len(im.pixels)), im.digest)]  # another image's key
+    with pytest.raises(ValueError, match="digest is not the SHA-256"):
+        check_request_images(forged, ids, CFG, IMAGE_TOKEN)
 
 
 def test_vision_config_and_no_torch_at_the_edge():

@@ -16,6 +16,7 @@ model's forward and the Engram history rebuild see sequences, not requests).
 from __future__ import annotations
 
 import bisect
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -23,6 +24,15 @@ from ipc.messages import ImageData
 
 from .config import VisionConfig
 from .spans import span_length, span_types
+
+
+def pixel_digest(pixels, height: int, width: int) -> bytes:
+    """The content key of fed pixels (encoder cache, prefix-cache block keys): SHA-256 of the
+    size and the uint8 RGB bytes (`pixels`: bytes or a numpy array)."""
+    h = hashlib.sha256()
+    h.update(height.to_bytes(4, "little") + width.to_bytes(4, "little"))
+    h.update(pixels if isinstance(pixels, (bytes, bytearray, memoryview)) else pixels.tobytes())
+    return h.digest()
 
 
 @dataclass(frozen=True)
@@ -84,7 +94,7 @@ class RequestImages:
 class ImagePositions:
     """Where a prompt's image spans are, without the images: a PD decode leg sent no pixels (the
     prefill computed the spans). The runs of the image token in the prompt are exactly its spans'
-    positions (checked on the prefill leg), so masks and digests-free questions are answered;
+    positions (checked on the prefill leg), so their masks are known (Engram's DEAD positions);
     placing embeddings is not possible, and the decode side never computes a span position
     (engine/kv_transfer/decode_side.py refuses a replay that would)."""
 
@@ -136,7 +146,8 @@ def attach_to_sequence(req) -> None:
 def check_request_images(images: list[ImageData], prompt_ids: list[int], vision: VisionConfig | None,
                          image_token_id: int) -> RequestImages | None:
     """The wire's images of a prompt, checked (ValueError naming the problem): a model with a
-    vision tower; each image's pixel size its grids' and within the model's token budget; spans
+    vision tower; each image's pixel size its grids' and within the model's token budget; its
+    digest that of its pixels (the caches trust it: another image must never share an entry); spans
     in order, inside the prompt, disjoint, holding only the image token; and no image token
     outside them (as in DeepSeek's reference, every image token id is part of an image)."""
     if not images:
@@ -152,6 +163,8 @@ def check_request_images(images: list[ImageData], prompt_ids: list[int], vision:
         if len(data.pixels) != expected:
             raise ValueError(f"image {k}: {len(data.pixels)} pixel bytes for a {data.n_vit_h}x{data.n_vit_w} "
                              f"patch grid (expected {expected})")
+        if pixel_digest(data.pixels, data.n_vit_h * p, data.n_vit_w * p) != data.digest:
+            raise ValueError(f"image {k}: its digest is not the SHA-256 of its size and pixels")
         im = SpanImage(data, math.ceil(data.n_vit_h / r), math.ceil(data.n_vit_w / r))
         if im.length > vision.max_n_token:
             raise ValueError(f"image {k}: its span of {im.length} tokens exceeds the model's "

@@ -22,7 +22,6 @@ from its header, before anything is decoded), and images that fail to decode (tr
 
 from __future__ import annotations
 
-import hashlib
 import io
 import math
 import warnings
@@ -32,6 +31,7 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from .config import VisionConfig
+from .inputs import pixel_digest
 from .spans import span_length
 
 SUPPORTED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
@@ -158,15 +158,6 @@ def fit_image(image: Image.Image, cfg: VisionConfig) -> tuple[np.ndarray, ImageP
     size = (plan.best_width, plan.best_height)
     fitted = image.resize(size) if plan.stretch else ImageOps.pad(image, size, color=LETTERBOX_GRAY)
     return np.asarray(fitted, dtype=np.uint8), plan
-
-
-def pixel_digest(pixels: np.ndarray | bytes, height: int, width: int) -> bytes:
-    """The content key of fed pixels (encoder cache, prefix-cache hashes): SHA-256 of the size
-    and the uint8 RGB bytes."""
-    h = hashlib.sha256()
-    h.update(height.to_bytes(4, "little") + width.to_bytes(4, "little"))
-    h.update(pixels.tobytes() if isinstance(pixels, np.ndarray) else pixels)
-    return h.digest()
 
 
 @dataclass(frozen=True)
