@@ -46,6 +46,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 1,2,3")
     src.add_argument("--prompts-file", help="JSONL file: one object per line with 'prompt' or 'prompt_ids'")
     p.add_argument("--chat", action="store_true", help="wrap text prompts in the model's chat template")
+    p.add_argument("--image", action="append", default=None, metavar="FILE",
+                   help="an image for the prompt (repeatable, in order; DeepSeek-V4.1): --prompt holds one "
+                        "<｜deepseek_image｜> per image, or --prompt-ids one image token id per image")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -446,7 +449,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from ipc.messages import SamplingParams
     from engine.config import ModelConfig
     from server.builtin import builtin_model_dir
+    from server.image_prompts import ImagePrompts
     from server.llm import LLM, validate_request
+    from server.multimodal import parse_mm_limit
 
     model_dir = Path(args.model_dir) if args.model_dir else builtin_model_dir()
     if not model_dir.is_dir():
@@ -463,11 +468,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.dp < 1:
         raise CliError("--dp must be ≥ 1")
     model_cfg = ModelConfig.from_model_dir(model_dir)
+    limit = parse_mm_limit(args.limit_mm_per_prompt)
+    requests = _with_images(args, prompts, ImagePrompts(model_cfg, args.language_model_only, limit))
     for i, ids in enumerate(prompts):  # every prompt checked before a worker starts
         validate_request(model_cfg.vocab_size, config.context_length(model_cfg), ids, params, i)
-    llm = LLM(model_dir, parallel=parallel_config_from(args), **config.to_dict())
+    llm = LLM(model_dir, parallel=parallel_config_from(args), limit_mm_per_prompt={"image": limit}, **config.to_dict())
     try:
-        results = llm.generate(prompts, params)
+        results = llm.generate(requests, params)
     except KeyboardInterrupt:
         # The workers ignore SIGINT, so stopping them is ours; what their teardown under
         # in-flight requests would log is what the user asked for: quiet.
@@ -480,7 +487,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         if r.error:
             print(f"ringserve: prompt {i}: {r.error}", file=sys.stderr)
         if args.json:
-            record: dict[str, Any] = {"index": i, "prompt_tokens": len(r.prompt_token_ids), "token_ids": r.token_ids,
+            record: dict[str, Any] = {"index": i, "prompt_tokens": len(r.prompt_token_ids),
+                                      "prompt_token_ids": r.prompt_token_ids, "token_ids": r.token_ids,
                                       "text": r.text, "finish_reason": r.finish_reason}
             if args.logprobs is not None:
                 record["logprobs"] = r.logprobs
@@ -490,6 +498,21 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         else:
             print(r.text if r.text is not None else " ".join(map(str, r.token_ids)), flush=True)
     return 0
+
+
+def _with_images(args: argparse.Namespace, prompts: list[list[int]], images) -> list:
+    """The prompts as LLM.generate takes them; with --image, the one prompt's ids checked and
+    expanded now (CliError naming the problem before any worker starts)."""
+    if not args.image:
+        return prompts
+    if args.prompts_file is not None:
+        raise CliError("--image works with --prompt or --prompt-ids (one prompt), not --prompts-file")
+    placeholders = prompts[0]
+    try:
+        prompts[0] = images.expand(placeholders, args.image, 0)[0]  # checked; the spans' ids for the checks below
+    except ValueError as exc:
+        raise CliError(f"--image: {exc}") from None
+    return [{"prompt_token_ids": placeholders, "multi_modal_data": {"image": args.image}}]
 
 
 def _load_tokenizer(model_dir: Path):

@@ -4,6 +4,8 @@ same engine client and worker processes that serve online traffic.
     from server.llm import LLM, SamplingParams
     with LLM("path/to/model", max_num_seqs=32) as llm:
         outputs = llm.generate(["Hello"], SamplingParams(max_tokens=16))
+        # DeepSeek-V4.1 with its vision tower: vLLM's prompt dicts (server/image_prompts.py)
+        outputs = llm.generate({"prompt": "Describe <｜deepseek_image｜>.", "multi_modal_data": {"image": img}})
 
 The client's event loop runs on a background thread for the LLM's lifetime (its listeners keep
 draining the workers' output rings between calls); `close()` (or leaving the `with` block, or
@@ -26,6 +28,7 @@ from ipc.loop import new_event_loop
 from ipc.messages import SamplingParams
 
 from .engine_client import EngineClient
+from .image_prompts import ImagePrompts, images_of
 from .stream import ChoiceState, collect
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput"]
@@ -34,7 +37,7 @@ __all__ = ["LLM", "SamplingParams", "RequestOutput"]
 @dataclass
 class RequestOutput:
     request_index: int
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int]  # with images: their spans expanded
     token_ids: list[int] = field(default_factory=list)
     text: str | None = None
     finish_reason: str | None = None
@@ -45,9 +48,11 @@ class RequestOutput:
 
 class LLM:
     def __init__(self, model: str | Path | None = None, dp: int = 1, device: str = "cpu",
-                 threads_per_worker: int | None = None, parallel: ParallelConfig | None = None, **engine_args):
+                 threads_per_worker: int | None = None, parallel: ParallelConfig | None = None,
+                 limit_mm_per_prompt: dict | None = None, **engine_args):
         """`dp` ranks replicate the model; for expert parallelism pass a ParallelConfig
-        (`ParallelConfig(data_parallel_size=2, enable_expert_parallel=True)`), as the CLI does."""
+        (`ParallelConfig(data_parallel_size=2, enable_expert_parallel=True)`), as the CLI does.
+        `limit_mm_per_prompt`: vLLM's {"image": N} (images per prompt)."""
         from server.builtin import builtin_model_dir
         from server.tokenizer import Tokenizer
 
@@ -58,8 +63,11 @@ class LLM:
         self.config = EngineConfig(**engine_args).resolved()
         has_tokenizer = (self.model_dir / "tokenizer.json").exists()
         self.tokenizer = Tokenizer.from_dir(self.model_dir) if has_tokenizer else None
+        limit = (limit_mm_per_prompt or {}).get("image")
+        self.images = ImagePrompts(self.model_config, getattr(self.config, "language_model_only", False), limit)
         self.client = EngineClient(self.model_dir, self.config, device=device, threads_per_worker=threads_per_worker,
-                                   parallel=parallel or ParallelConfig(data_parallel_size=dp))
+                                   parallel=parallel or ParallelConfig(data_parallel_size=dp),
+                                   image_bytes=self.images.submit_bytes)
         self._loop = new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="ringserve-llm", daemon=True)
         self._thread.start()
@@ -93,28 +101,47 @@ class LLM:
             return self.tokenizer.encode(prompt)
         return list(prompt)
 
-    def generate(self, prompts: list[str | list[int]], sampling_params: SamplingParams | list[SamplingParams] | None = None,
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  ) -> list[RequestOutput]:
-        """Run every prompt concurrently; outputs in input order. Invalid input raises ValueError
-        naming the prompt and the field, before anything is sent to a worker."""
+        """Run every prompt concurrently; outputs in input order. A prompt is text, token ids, or
+        vLLM's dict ({"prompt": text} or {"prompt_token_ids": ids}, with "multi_modal_data":
+        {"image": one or a list of PIL images, bytes or paths}); one prompt alone may be given
+        without a list. Invalid input raises ValueError naming the prompt and the field, before
+        anything is sent to a worker."""
         if self._closed:
             raise RuntimeError("this LLM is closed")
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                  and all(isinstance(t, int) for t in prompts)):
+            prompts = [prompts]
         params = sampling_params or SamplingParams()
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError("one SamplingParams per prompt")
-        ids = [self.encode(p) for p in prompts]
+        prepared = [self._prepare(p, i) for i, p in enumerate(prompts)]
+        ids = [p[0] for p in prepared]
         for i, (prompt, p) in enumerate(zip(ids, params_list)):
             self.validate(prompt, p, i)
-        states = self._call(self._run(ids, params_list)) if ids else []
+        states = self._call(self._run(prepared, params_list)) if ids else []
         return [self._output(i, prompt, st, p) for i, (prompt, st, p) in enumerate(zip(ids, states, params_list))]
+
+    def _prepare(self, prompt, index: int) -> tuple[list[int], list]:
+        """(prompt ids with image spans expanded, the prompt's ImageData)."""
+        if not isinstance(prompt, dict):
+            return self.encode(prompt), []
+        unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"}
+        if unknown or ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+            raise ValueError(f"prompt {index}: a prompt dict has 'prompt' or 'prompt_token_ids' (one of them) and "
+                             "optionally 'multi_modal_data'")
+        ids = self.encode(prompt["prompt"] if "prompt" in prompt else prompt["prompt_token_ids"])
+        images = images_of(prompt.get("multi_modal_data"), index)
+        return self.images.expand(ids, images, index)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams, index: int = 0) -> None:
         validate_request(self.model_config.vocab_size, self.max_model_len, prompt_token_ids, params, index)
 
-    async def _run(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[ChoiceState]:
-        return await asyncio.gather(*(collect(self.client, ids, p, self.tokenizer, i)
-                                      for i, (ids, p) in enumerate(zip(prompts, params))))
+    async def _run(self, prompts: list[tuple[list[int], list]], params: list[SamplingParams]) -> list[ChoiceState]:
+        return await asyncio.gather(*(collect(self.client, ids, p, self.tokenizer, i, images=images)
+                                      for i, ((ids, images), p) in enumerate(zip(prompts, params))))
 
     def _output(self, index: int, prompt: list[int], st: ChoiceState, params: SamplingParams) -> RequestOutput:
         with_lp = params.logprobs is not None

@@ -201,9 +201,7 @@ class Multimodal:
     @property
     def max_image_bytes(self) -> int:
         """The most pixel bytes one preprocessed image can carry (its token budget's patches)."""
-        if self.frontend is None:
-            return 0
-        return self.frontend.vision.max_patches * self.frontend.vision.patch_values
+        return 0 if self.frontend is None else self.frontend.max_image_bytes
 
     @property
     def submit_bytes(self) -> int:

@@ -4,8 +4,10 @@ A completion or chat request is sent
   1. to a prefill server, as given but with `max_tokens` 1, `stream` false and
      `kv_transfer_params: {"do_remote_decode": true}`; it answers with the params of where it
      holds the prompt's KV (and the first token it sampled);
-  2. to a decode server, as the client sent it plus those params; its answer (streamed or
-     not) goes back to the client byte for byte.
+  2. to a decode server, as the client sent it plus those params (and, for a prompt with images,
+     the prefill's `prefilled_images`: each image's grid and digest, so the decode server lays
+     out the same image spans without loading any image); its answer (streamed or not) goes
+     back to the client byte for byte.
 That is vLLM's toy-proxy protocol, so either side also works behind vLLM's proxy, and this
 proxy in front of servers that speak it. Each leg picks the live server with the least token
 load (what this proxy has in flight there: prompt tokens for a prefill, prompt + expected
@@ -77,16 +79,26 @@ class Pool:
         return "; ".join(f"{b.url}: {b.why_down or 'down'}" for b in self.backends)
 
 
+IMAGE_TOKENS_ESTIMATE = 1024  # an image's span at most (DeepSeek-V4.1's default token budget)
+
+
 def estimate_prompt_tokens(body: dict) -> int:
-    """Tokens a prompt will take, before any server tokenized it (≈ 4 characters a token)."""
+    """Tokens a prompt will take, before any server tokenized it (≈ 4 characters a token; an
+    image part counts as a full image span, not as the characters of its URL or base64 data)."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         return len(prompt)
     texts = [prompt] if isinstance(prompt, str) else prompt if isinstance(prompt, list) else []
+    images = 0
     for m in body.get("messages") or []:
         content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list):
+            parts = [p for p in content if isinstance(p, dict)]
+            is_image = [p.get("type") in ("image_url", "input_image", "image") for p in parts]
+            images += sum(is_image)
+            content = [p for p, image in zip(parts, is_image) if not image]
         texts.append(content if isinstance(content, str) else json.dumps(content))
-    return 1 + sum(len(t) for t in texts if isinstance(t, str)) // 4
+    return 1 + sum(len(t) for t in texts if isinstance(t, str)) // 4 + images * IMAGE_TOKENS_ESTIMATE
 
 
 # ---- the proxy ---------------------------------------------------------------------------------
@@ -192,6 +204,8 @@ class Proxy:
                 return first
             prefill_ms = (time.perf_counter() - started) * 1e3
             leg2 = dict(body, kv_transfer_params=first["kv_transfer_params"])
+            if first.get("prefilled_images") is not None:  # the decode leg lays out the image spans, never loads them
+                leg2["prefilled_images"] = first["prefilled_images"]
             prompt = int(first.get("usage", {}).get("prompt_tokens", 0))
             return await self._decode(rid, request, leg2, headers, prompt, prefill_ms)
         except Unavailable as exc:

@@ -103,10 +103,13 @@ class ChoiceStream:
 
 
 async def collect(client, prompt_token_ids: list[int], params, tokenizer: Tokenizer | None, index: int = 0,
-                  stop: list[str] | None = None, session: str | None = None) -> ChoiceState:
-    """Run one request to its end through an engine client and return its folded state."""
+                  stop: list[str] | None = None, session: str | None = None, images: list | None = None
+                  ) -> ChoiceState:
+    """Run one request to its end through an engine client and return its folded state
+    (`images`: its ipc ImageData, DeepSeek-V4.1)."""
     choice = ChoiceStream(index, tokenizer, stop)
-    async for item in client.generate(prompt_token_ids, params, session=session):
+    kw = {"images": images} if images else {}
+    async for item in client.generate(prompt_token_ids, params, session=session, **kw):
         choice.feed(item)
         if choice.stopped:  # a stop string ended it; leaving the loop aborts the engine request
             break

@@ -57,7 +57,7 @@ class ImageServer:
             return web.Response(body=b"\0" * (1 << 20), content_type="image/png")
 
         async def slow(request):
-            await asyncio.sleep(5)
+            await asyncio.sleep(2)
             return web.Response(body=PNG)
 
         async def to(request):
@@ -162,8 +162,10 @@ def test_a_redirect_to_a_private_address_is_refused_without_an_allow_list():
 
 def test_hosts_outside_the_allowed_domains_are_refused():
     policy = MediaPolicy(allowed_domains=frozenset({"images.example.com"}), timeout_s=1.0)
-    err, hits = _refusal(policy, lambda s: s.base + "/img.png")
+    err, hits = _refusal(policy, lambda s: f"http://localhost:{s.port}/img.png")
     assert err.code == "media_domain_not_allowed" and hits == []
+    err, hits = _refusal(policy, lambda s: s.base + "/img.png")  # an unlisted private literal: named as such
+    assert err.code == "media_address_not_allowed" and hits == []
 
 
 def test_redirect_limits():
