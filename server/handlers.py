@@ -138,21 +138,25 @@ async def chat_prompt_ids(state: AppState, chat) -> list[int] | None:
 
 
 async def _with_images(state: AppState, req: GenerationRequest, ids: list[int], image_urls: tuple[list, list]) -> list[int]:
-    """The prompt with its image spans; the images on `req` (a PD decode leg: none, its spans
-    from the prefill's answer)."""
+    """The prompt with its image spans, and the images on `req`. Both PD legs carry them: a
+    DeepSeek-V4.1 decode leg replays the prompt's last positions (the window stack's receptive
+    field), which may hold an image span (the engine then places its rows; else it never reads
+    them). A decode leg given the prefill's `prefilled_images` checks that it loaded the same
+    images (an http image that changed between the legs is refused)."""
     from .multimodal import PrefilledImage
 
     mm = state.multimodal
     kv = req.kv_transfer_params
-    if kv is not None and kv.do_remote_prefill and req.prefilled_images is not None:
-        return mm.expand_prefilled(ids, req.prefilled_images)  # the KV is the prefill's: no pixels needed
-    if req.prefilled_images is not None:
+    decode_leg = kv is not None and kv.do_remote_prefill
+    if req.prefilled_images is not None and not decode_leg:
         raise ProtocolError("'prefilled_images' is only valid on a PD decode leg", "prefilled_images", "invalid_value")
     images = await mm.load(*image_urls)
+    loaded = [PrefilledImage(im.n_vit_h, im.n_vit_w, im.digest) for im in images]
+    if decode_leg and req.prefilled_images is not None and req.prefilled_images != loaded:
+        raise ProtocolError("the images differ from those the prefill leg computed (an image URL changed between "
+                            "the legs?)", "prefilled_images", "invalid_value")
     ids, req.images = mm.expand(ids, images)
-    if kv is not None and kv.do_remote_prefill:  # a decode leg from another proxy: the spans, never the pixels
-        req.images = []
-    req.prefilled_images = [PrefilledImage(im.n_vit_h, im.n_vit_w, im.digest) for im in images]
+    req.prefilled_images = loaded
     return ids
 
 

@@ -14,9 +14,10 @@ The way of one request (`handlers.prepare_chat`):
   4. `Multimodal.expand`: the tokenized prompt's placeholders become the images' spans, and the
      images become `Submit.images` (ipc.messages.ImageData).
 
-PD: a decode leg (`kv_transfer_params.do_remote_prefill`) never loads an image. The prefill leg
-answers with each image's grid and digest (`prefilled_images`, which ringserve's proxy passes to
-the decode leg), and the decode leg expands its placeholders from them without pixels.
+PD: both legs load the request's images (as vLLM's legs both process them): DeepSeek-V4.1's
+decode leg replays the prompt's last positions, which may hold an image span. The prefill leg
+answers with each image's grid and digest (`prefilled_images`, which ringserve's proxy passes on)
+and the decode leg checks it loaded the same images.
 
 Bad input is a `ProtocolError` (400) naming the image (`messages[i].content[k]`) and the problem.
 No torch here.
@@ -245,16 +246,6 @@ class Multimodal:
             return expanded, self.frontend.image_data(images, starts)
         except ValueError as exc:  # PlaceholderError
             raise _bad(str(exc), "invalid_image", param) from None
-
-    def expand_prefilled(self, ids: list[int], prefilled: list[PrefilledImage]) -> list[int]:
-        """A PD decode leg's prompt: placeholders expanded from the prefill's grids, no pixels."""
-        from engine.v41.vision.frontend import PreprocessedImage
-
-        shells = [PreprocessedImage(b"", p.n_vit_h, p.n_vit_w, p.digest) for p in prefilled]
-        try:
-            return self.frontend.expand_placeholders(ids, shells)[0]
-        except ValueError as exc:
-            raise _bad(f"prefilled_images: {exc}", "invalid_value", "prefilled_images") from None
 
     async def close(self) -> None:
         await self.fetcher.close()

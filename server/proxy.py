@@ -5,9 +5,9 @@ A completion or chat request is sent
      `kv_transfer_params: {"do_remote_decode": true}`; it answers with the params of where it
      holds the prompt's KV (and the first token it sampled);
   2. to a decode server, as the client sent it plus those params (and, for a prompt with images,
-     the prefill's `prefilled_images`: each image's grid and digest, so the decode server lays
-     out the same image spans without loading any image); its answer (streamed or not) goes
-     back to the client byte for byte.
+     the prefill's `prefilled_images`: each image's grid and digest, which the decode server
+     checks its own images against); its answer (streamed or not) goes back to the client byte
+     for byte.
 That is vLLM's toy-proxy protocol, so either side also works behind vLLM's proxy, and this
 proxy in front of servers that speak it. Each leg picks the live server with the least token
 load (what this proxy has in flight there: prompt tokens for a prefill, prompt + expected
@@ -204,7 +204,7 @@ class Proxy:
                 return first
             prefill_ms = (time.perf_counter() - started) * 1e3
             leg2 = dict(body, kv_transfer_params=first["kv_transfer_params"])
-            if first.get("prefilled_images") is not None:  # the decode leg lays out the image spans, never loads them
+            if first.get("prefilled_images") is not None:  # the decode leg checks it sees the same images
                 leg2["prefilled_images"] = first["prefilled_images"]
             prompt = int(first.get("usage", {}).get("prompt_tokens", 0))
             return await self._decode(rid, request, leg2, headers, prompt, prefill_ms)

@@ -279,22 +279,27 @@ def test_tokenize_and_count_tokens_count_the_expanded_spans(served):
     assert counted.input_tokens == len(ids)
 
 
-def test_pd_legs_images_go_to_the_prefill_only(served):
+def test_pd_legs_both_carry_the_images_and_the_decode_checks_them(served):
+    """A V4.1 decode leg replays the prompt's last positions, which may hold an image span: it is
+    sent the images too, after checking they are the ones the prefill answered for."""
     before = len(served.engine.calls)
     body = {"model": MODEL, "messages": user(text("PD?"), image_url(data_url(GREEN))), "max_tokens": 4}
     _, leg1 = post(served.base + "/v1/chat/completions", {**body, "kv_transfer_params": {"do_remote_decode": True}})
     prefill = last_call(served, before)
     [img] = prefill["images"]
     assert leg1["prefilled_images"] == [{"grid": [img.n_vit_h, img.n_vit_w], "digest": img.digest.hex()}]
-    status, answer = post(served.base + "/v1/chat/completions",
-                          {**body, "kv_transfer_params": leg1["kv_transfer_params"],
-                           "prefilled_images": leg1["prefilled_images"]})
+    leg2 = {**body, "kv_transfer_params": leg1["kv_transfer_params"], "prefilled_images": leg1["prefilled_images"]}
+    status, answer = post(served.base + "/v1/chat/completions", leg2)
     assert status == 200, answer
     decode = last_call(served, before + 1)
-    assert decode["images"] is None and decode["ids"] == prefill["ids"]
+    assert decode["images"] == prefill["images"] and decode["ids"] == prefill["ids"]
     assert decode["kv"].do_remote_prefill
+    other = [{"grid": [img.n_vit_h, img.n_vit_w], "digest": "00" * 32}]
+    status, bad = post(served.base + "/v1/chat/completions", {**leg2, "prefilled_images": other})
+    assert status == 400 and bad["error"]["param"] == "prefilled_images" and "differ" in bad["error"]["message"]
     status, bad = post(served.base + "/v1/chat/completions", {**body, "prefilled_images": leg1["prefilled_images"]})
     assert status == 400 and bad["error"]["param"] == "prefilled_images"
+    assert len(served.engine.calls) == before + 2
 
 
 # ---- bad input -------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """`ringserve proxy` with a chat request carrying images, against stub prefill/decode servers in
-this process: the decode leg gets the prefill's `prefilled_images` (grids and digests) beside the
-request, and the token-load estimate counts an image as an image span, not as its base64 text."""
+this process: the decode leg gets the prefill's `prefilled_images` (grids and digests, which it
+checks its own images against) beside the request, and the token-load estimate counts an image
+as an image span, not as its base64 text."""
 
 from __future__ import annotations
 
@@ -74,7 +75,7 @@ def test_the_decode_leg_gets_the_prefills_image_grids():
     leg1, leg2 = legs
     assert "prefilled_images" not in leg1 and leg1["kv_transfer_params"] == {"do_remote_decode": True}
     assert leg2["prefilled_images"] == PREFILLED and leg2["kv_transfer_params"] == {"do_remote_prefill": True}
-    assert leg2["messages"] == BODY["messages"]  # the request as sent: the decode server only counts its images
+    assert leg2["messages"] == BODY["messages"]  # the request as sent: the decode server loads them too
 
 
 def test_an_image_counts_as_an_image_span_in_the_load_estimate():
