@@ -5,8 +5,8 @@ replicated on every rank, only the backbone's routed experts are split):
   * one backbone MoE layer through the expert-parallel dispatch (a one-rank gloo group) with an
     image mask routes image rows with `bias_vl` exactly as the one-rank MoE does, bit for bit,
     and the mask matters (without it the output differs);
-  * through real worker processes (two EP ranks, gloo, lockstep), requests with images give the
-    one-rank tokens.
+  * through real worker processes (two DP ranks; two EP ranks, gloo, lockstep), requests with
+    images give the one-rank tokens.
 """
 
 from __future__ import annotations
@@ -114,7 +114,9 @@ def _run(model_dir, parallel: ParallelConfig, requests) -> list[list[int]]:
         loop.close()
 
 
-def test_ep2_with_images_equals_one_rank(model_dir):
+def test_dp2_and_ep2_with_images_equal_one_rank(model_dir):
+    """Four requests with images over two data-parallel ranks (each a whole model, tower
+    included), then two expert-parallel ranks (lockstep): the one-rank tokens."""
     from server.engine_client import EngineClient
 
     if "images" not in inspect.signature(EngineClient.generate).parameters:
@@ -128,4 +130,5 @@ def test_ep2_with_images_equals_one_rank(model_dir):
                                              rng.integers(3, 500, 9).tolist(), [image])
         requests.append((ids, fe.image_data([image], starts)))
     single = _run(model_dir, ParallelConfig(), requests)
+    assert _run(model_dir, ParallelConfig(data_parallel_size=2), requests) == single
     assert _run(model_dir, ParallelConfig(data_parallel_size=2, enable_expert_parallel=True), requests) == single
