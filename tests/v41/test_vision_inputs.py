@@ -130,3 +130,12 @@ def test_vision_config_and_no_torch_at_the_edge():
             "import engine.v41.vision.processor, engine.v41.vision.prompt; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+def test_vision_config_in_refs_flat_names():
+    """REF's ModelArgs keys (`vision_n_layers`, `vision_max_n_token`, ...) at the root read the same."""
+    flat = {"vision_n_layers": 1, "vision_dim": 32, "vision_n_heads": 2, "vision_inter_dim": 64, "vision_patch_size": 8,
+            "vision_rope_theta": 10000.0, "vision_downsample_ratio": 2, "vision_max_n_token": 48,
+            "vision_min_pixels": 1200, "vision_max_wh_ratio": 4.0}
+    assert parse_vision(flat) == CFG
+    assert parse_vision({**flat, "vision_n_layers": 0}) is None and parse_vision({}) is None

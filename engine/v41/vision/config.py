@@ -44,24 +44,34 @@ class VisionConfig:
 
 
 def parse_vision(raw: dict[str, Any]) -> VisionConfig | None:
-    """The root config's `vision_config` → VisionConfig, None for a text-only checkpoint."""
+    """The root config's `vision_config` → VisionConfig, None for a text-only checkpoint. Each
+    field under its transformers name (`num_hidden_layers`, `max_image_tokens`, …), else REF's
+    (`n_layers`, `max_n_token`, …), in `vision_config` or flat at the root as `vision_<name>`
+    (REF's ModelArgs); defaults are the release's."""
     from engine.config import ConfigError
 
-    v = raw.get("vision_config")
-    if v is None:
-        return None
+    v = raw.get("vision_config") or {}
     if not isinstance(v, dict):
         raise ConfigError("config.json: vision_config must be an object")
-    n_layers = int(v.get("num_hidden_layers", 0))
+
+    def field(names: tuple[str, ...], default):
+        """The first of `names` in vision_config, else REF's flat `vision_<name>` at the root."""
+        for name in names:
+            if name in v:
+                return v[name]
+        return next((raw[f"vision_{n}"] for n in names if f"vision_{n}" in raw), default)
+
+    n_layers = int(field(("num_hidden_layers", "n_layers"), 0))
     if n_layers <= 0:
         return None
-    ratio = v.get("max_wh_ratio")
+    ratio = field(("max_wh_ratio",), None)
     cfg = VisionConfig(
-        n_layers=n_layers, dim=int(v.get("hidden_size", 1024)), n_heads=int(v.get("num_attention_heads", 16)),
-        inter_dim=int(v.get("intermediate_size", 2816)), patch_size=int(v.get("patch_size", 14)),
-        rope_theta=float(v.get("rope_theta", 10000.0)), downsample_ratio=int(v.get("downsample_ratio", 3)),
-        max_n_token=int(v.get("max_image_tokens", 1024)), min_pixels=int(v.get("min_pixels", 544 * 544)),
-        max_wh_ratio=None if ratio is None else float(ratio))
+        n_layers=n_layers, dim=int(field(("hidden_size", "dim"), 1024)),
+        n_heads=int(field(("num_attention_heads", "n_heads"), 16)),
+        inter_dim=int(field(("intermediate_size", "inter_dim"), 2816)), patch_size=int(field(("patch_size",), 14)),
+        rope_theta=float(field(("rope_theta",), 10000.0)), downsample_ratio=int(field(("downsample_ratio",), 3)),
+        max_n_token=int(field(("max_image_tokens", "max_n_token"), 1024)),
+        min_pixels=int(field(("min_pixels",), 544 * 544)), max_wh_ratio=None if ratio is None else float(ratio))
     checks = [
         (cfg.dim % cfg.n_heads == 0 and cfg.head_dim % 4 == 0,
          "vision hidden_size / num_attention_heads must be a multiple of 4 (2-D rotary halves)"),
