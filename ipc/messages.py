@@ -116,7 +116,8 @@ class Submit(Struct, frozen=True, array_like=True, tag=1):
     params: SamplingParams
     # PD disaggregation: leg 1 (do_remote_decode) or leg 2 (do_remote_prefill, where the KV is).
     kv_transfer_params: KVTransferParams | None = None
-    # Multimodal input (DeepSeek-V4.1 vision): the prompt's images in span order.
+    # Multimodal input (DeepSeek-V4.1 vision): the prompt's images in span order. A PD decode leg
+    # may leave them out; it is then refused (400) if its window replay reaches an image span.
     images: Annotated[list[ImageData], Meta(max_length=MAX_IMAGES_PER_REQUEST)] = []
 
 
