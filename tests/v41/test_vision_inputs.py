@@ -139,3 +139,18 @@ def test_vision_config_in_refs_flat_names():
             "vision_min_pixels": 1200, "vision_max_wh_ratio": 4.0}
     assert parse_vision(flat) == CFG
     assert parse_vision({**flat, "vision_n_layers": 0}) is None and parse_vision({}) is None
+
+
+def test_images_for_a_model_without_a_tower_are_refused(frontend):
+    """A model object without an `encoder` (DeepSeek-V4, a text-only V4.1 checkpoint) refuses
+    images by name; its prompts may hold any id as text."""
+    from types import SimpleNamespace
+
+    from engine.request import RequestError
+    from engine.v41.vision.requests import check_images
+
+    image = frontend.preprocess(_encoded())
+    ids, starts = frontend.expand_placeholders([3, IMAGE_TOKEN], [image])
+    with pytest.raises(RequestError, match="no vision tower"):
+        check_images(SimpleNamespace(encoder=None), ids, frontend.image_data([image], starts))
+    assert check_images(SimpleNamespace(encoder=None), ids, []) is None
