@@ -1,9 +1,11 @@
-"""A prompt with image placeholders + its images → what a request carries (the edge's half).
+"""A prompt with image placeholders + its processed images → ids, token types and the wire's images.
 
-`build_prompt(prompt_ids, processed, cfg)`: each `image_token_id` placeholder in `prompt_ids`
-is expanded into its image's span (engine/v41/vision/spans.py), and each image becomes the wire's
-`ImageData` (its pixels, grid, digest and where its span starts). Used by the HTTP front
-(server/multimodal.py), `ringserve generate --image`, the offline `LLM` and the tests. No torch.
+`build_prompt(prompt_ids, processed, image_token_id)`: each `image_token_id` placeholder in
+`prompt_ids` is expanded into its image's span (engine/v41/vision/spans.py), with the token type
+of every position (what DeepSeek's reference reports), and each image becomes the wire's
+`ImageData`. The edge's stable interface is engine/v41/vision/frontend.py (`VisionFrontend`);
+this is the same at the level of processor.ProcessedImage (its plan included), for tests and
+tools. No torch.
 """
 
 from __future__ import annotations
