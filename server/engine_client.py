@@ -95,6 +95,8 @@ class EngineClient:
         self.model_dir, self.config, self.dp, self.device = str(model_dir), config, dp, device
         self.threads = threads_per_worker or max(1, (os.cpu_count() or 1) // self.parallel.local_size)
         self.ring_config = ring_config or request_ring(config.max_model_len, image_bytes)
+        # Outputs carry no images: their ring keeps the text-only size (None: as the requests').
+        self.output_ring = request_ring(config.max_model_len) if image_bytes and ring_config is None else None
         self.stuck_after_s = stuck_after_s
         self.liveness_timeout_s = liveness_timeout_s
         self.ready_timeout_s = ready_timeout_s
@@ -151,7 +153,7 @@ class EngineClient:
                                   worker_device(self.device, rank - parallel.data_parallel_start_rank), master_port,
                                   generation)
 
-            self.ranks.append(_Rank(rank, LocalLink(rank, self.ring_config, make_args)))
+            self.ranks.append(_Rank(rank, LocalLink(rank, self.ring_config, make_args, self.output_ring)))
 
     def listen(self) -> None:
         """Start the tasks that drain every rank's channels and watch them."""

@@ -31,11 +31,12 @@ STATUS_RING = RingConfig(slot_bytes=4096, num_slots=64)
 class LocalLink(RankLink):
     """A rank of this node: rings in /dev/shm, a worker process."""
 
-    def __init__(self, rank: int, ring_config: RingConfig, make_args: Callable[..., WorkerArgs]):
+    def __init__(self, rank: int, ring_config: RingConfig, make_args: Callable[..., WorkerArgs],
+                 output_config: RingConfig | None = None):
         super().__init__(rank)
         self.requests = RingWriter.create(ring_config)
         self.control = RingWriter.create(CONTROL_RING)
-        self.outputs = RingReader.create(ring_config)
+        self.outputs = RingReader.create(output_config or ring_config)  # no images come back: it can be smaller
         self.status = RingReader.create(STATUS_RING)
         self.process = WorkerProcess(make_args(self.requests.name, self.control.name, self.outputs.name,
                                                self.status.name))

@@ -293,3 +293,29 @@ def test_offline_images_as_pil_path_or_bytes_and_generate_cli(engine, model_dir,
     bad = subprocess.run([sys.executable, "-m", "server.cli", "generate", str(model_dir), "--prompt-ids", "5,6",
                           "--image", str(cat)], capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "0 image placeholder(s)" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_language_model_only_refuses_images_and_serves_text(model_dir):
+    """--language-model-only loads no tower: an image is a 400 naming the flag, text is served
+    (and `generate --image` refuses before any worker starts)."""
+    import subprocess
+    import sys
+
+    server = Server(model_dir, *ENGINE_FLAGS, "--language-model-only")
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model="tiny-vision", max_tokens=4, messages=user(image_part(data_url(CAT))))
+        assert "--language-model-only" in info.value.body["message"]
+        assert info.value.body["code"] == "images_not_supported"
+        text = client.chat.completions.create(model="tiny-vision", max_tokens=4, messages=user(
+            {"type": "text", "text": "Just text."}))
+        assert text.usage.completion_tokens == 4
+    finally:
+        assert server.stop() == 0, server.output()
+    cat = model_dir.parent / "cat-lmo.png"
+    cat.write_bytes(CAT)
+    run = subprocess.run([sys.executable, "-m", "server.cli", "generate", str(model_dir), "--prompt",
+                          "<｜deepseek_image｜>", "--image", str(cat), "--language-model-only"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0 and "--language-model-only" in run.stderr

@@ -386,3 +386,19 @@ def test_images_for_a_text_only_model_are_refused(served, which):
         oai(served).chat.completions.create(model=MODEL, messages=user(text("text still works")), max_tokens=4)
     finally:
         served.state.multimodal = saved
+
+
+def test_a_request_ring_slot_holds_a_longest_prompt_with_the_most_and_largest_images(served):
+    from ipc.codec import encode
+    from ipc.messages import ImageData, SamplingParams, Submit
+    from server.engine_client import request_ring
+
+    mm = served.multimodal
+    v = mm.frontend.vision
+    side = int(math.isqrt(v.max_patches))  # a square grid within the token budget's patch bound
+    image = ImageData(0, side, v.max_patches // side, b"\xff" * mm.max_image_bytes, b"\0" * 32)
+    max_len = 4096
+    ring = request_ring(max_len, mm.submit_bytes)
+    submit = Submit(2**40, [2**31 - 1] * max_len, SamplingParams(), None, [image] * mm.limit)
+    assert len(encode(submit, max_bytes=ring.payload_bytes)) <= ring.payload_bytes
+    assert request_ring(max_len).slot_bytes == 1 << 20  # text only: unchanged
