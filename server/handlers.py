@@ -123,7 +123,8 @@ async def render_chat(state: AppState, chat) -> tuple[Rendered, tuple[list, list
     rendered = await offload.run(state.renderer.render, dataclasses.replace(chat, messages=marked.messages))
     text, order = marked.placeholders(rendered.text, IMAGE_PLACEHOLDER)
     mm.check_accepts(len(order))
-    return dataclasses.replace(rendered, text=text), ([marked.urls[k] for k in order], [marked.places[k] for k in order])
+    sources = ([marked.urls[k] for k in order], [marked.places[k] for k in order])
+    return dataclasses.replace(rendered, text=text), sources
 
 
 async def chat_prompt_ids(state: AppState, chat) -> list[int] | None:
@@ -137,7 +138,8 @@ async def chat_prompt_ids(state: AppState, chat) -> list[int] | None:
     return state.multimodal.expand(ids, await state.multimodal.load(*image_urls))[0]
 
 
-async def _with_images(state: AppState, req: GenerationRequest, ids: list[int], image_urls: tuple[list, list]) -> list[int]:
+async def _with_images(state: AppState, req: GenerationRequest, ids: list[int],
+                       image_urls: tuple[list, list]) -> list[int]:
     """The prompt with its image spans, and the images on `req`. Both PD legs carry them: a
     DeepSeek-V4.1 decode leg replays the prompt's last positions (the window stack's receptive
     field), which may hold an image span (the engine then places its rows; else it never reads

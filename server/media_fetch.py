@@ -213,7 +213,8 @@ class MediaFetcher:
         if not listed and _is_ip_literal(host) and not public_address(host):
             raise MediaError(f"{shown(url)} points to a non-public address", "media_address_not_allowed")
         if allowed is not None and not listed:
-            raise MediaError(f"the host of {shown(url)} is not among --allowed-media-domains", "media_domain_not_allowed")
+            raise MediaError(f"the host of {shown(url)} is not among --allowed-media-domains",
+                             "media_domain_not_allowed")
         return host
 
     async def _fetch(self, url: str) -> bytes:

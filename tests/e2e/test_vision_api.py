@@ -179,8 +179,9 @@ def test_chat_with_an_image_equals_the_engine_on_the_expanded_prompt(served, cha
     answer = chat.chat.completions.create(model="tiny-vision", messages=messages, max_tokens=MAX_TOKENS,
                                           temperature=0, logprobs=True)
     assert answer.usage.prompt_tokens == len(expected)
-    [reference] = engine.generate({"prompt_token_ids": _one_placeholder_per_span(expected, engine.images.image_token_id),
-                                   "multi_modal_data": {"image": [CAT]}}, SamplingParams(max_tokens=MAX_TOKENS))
+    placeholders = _one_placeholder_per_span(expected, engine.images.image_token_id)
+    [reference] = engine.generate({"prompt_token_ids": placeholders, "multi_modal_data": {"image": [CAT]}},
+                                  SamplingParams(max_tokens=MAX_TOKENS))
     assert reference.prompt_token_ids == expected and reference.error is None
     pieces = [engine.tokenizer.decode([t], skip_special_tokens=False) for t in reference.token_ids]
     assert len(pieces) == MAX_TOKENS
