@@ -5,6 +5,9 @@ in one step, then --steps decode steps; ms per decode step, and ms for that pref
   default  the engine on CPU with exact fp32 matmuls: decode steps on the static shapes, each one
            compiled call (kernels/cpu_step.py) where it covers the shape (fp32, raw KV, <= 16
            rows), else the fused forward op by op; weights kept FP8/FP4 on the fused row kernels
+  head-in  as default, with the LM head inside the compiled call too: the static backend's target
+           step calls FusedDecoder.forward_logits instead of forward + DeepseekV4.logits (the change
+           proposed for engine/cuda_graphs.py's StaticDecodeBackend._forward; patched here)
   ops-step the static fused forward op by op (engine/fused_decode.py with the numba kernels of
            kernels/cpu_decode.py; FusedDecoder.cpu_step off): the path before the compiled step
   ref-ops  as default, with kernels/cpu_decode.py's ops swapped for their torch references
@@ -25,16 +28,20 @@ Rounds interleave the variants (default, ref-ops, …) so a busy neighbour slows
 medians over --rounds. Ratios are variant / default (> 1: the default is faster). --dtype is
 the compute dtype (fp32: what `ringserve serve` runs on CPU).
 
-Then, per batch, where the default decode step goes (medians of --rounds runs): the engine's
-step; the model's forward and logits (StaticDecodeBackend.replay); the time inside the compiled
-call (`run_step`) and its share of the step (the rest is Python and dispatch: the engine's
-scheduling, sampling and output, and the op calls around the compiled step); and the roofline:
-the weight bytes the step must read (StepProgram.weight_bytes), the rate the compiled call
-reads them at, and how long they take at this machine's single-thread read rate (measured on
-a DRAM-sized and an L3-sized array) against the compiled call's time.
+Then, per batch, where the decode step goes (default, and head-in when it is among the variants;
+medians of --rounds runs), in wall and in this process's CPU milliseconds per step: the engine's
+decode step; the model's static replay (forward and logits, StaticDecodeBackend.replay); the time
+inside the compiled call (`run_step`) and its share of the step (the rest is Python and dispatch:
+the engine's scheduling, sampling and output, and the op calls around the compiled step). CPU
+time leaves out the waits for a core when other work shares the machine, so at --threads 1 its
+share is the robust one (with more threads it also counts the helpers' spinning). And the
+roofline: the weight bytes the step must read (StepProgram.weight_bytes; not the KV cache the
+attention reads), the rate the compiled call reads them at, and how long they take at this
+thread's read rate (measured on a DRAM-sized and an L3-sized array) against the call's time.
 
-    python perf/bench_cpu_decode.py --model-dir .peer-cache/models/v4-tiny6 [--batch 1 16] [--threads 1]
-        [--variants ref-ops per-seq tiled bf16] [--dtype fp32]
+    python perf/bench_cpu_decode.py --model-dir .peer-cache/models/issue41 [--batch 1 16] [--threads 1]
+        [--variants head-in ops-step ref-ops per-seq tiled bf16] [--dtype fp32]
+    (.peer-cache/models/NAME: python perf/peer_llamacpp.py make-model DIR --geometry NAME)
 """
 
 from __future__ import annotations
@@ -61,7 +68,7 @@ from kernels.cpu_precision import matmul_precision
 from perf.bench_quant_gemm import tiled
 from perf.machine import header, set_cpu_threads
 
-VARIANTS = ["default", "ops-step", "ref-ops", "per-seq", "tiled", "ops-moe", "generic", "bf16", "bf16-mm"]
+VARIANTS = ["default", "head-in", "ops-step", "ref-ops", "per-seq", "tiled", "ops-moe", "generic", "bf16", "bf16-mm"]
 
 
 def step_ms(model, batch: int, prompt_len: int, steps: int, static: bool = True, on_decode=None) -> tuple[float, float]:
@@ -98,6 +105,23 @@ def switched(cls, name: str, value):
         yield
     finally:
         setattr(cls, name, saved)
+
+
+@contextlib.contextmanager
+def head_inside():
+    """The static target step as one compiled call with its logits (FusedDecoder.forward_logits)."""
+    real = StaticDecodeBackend._forward
+
+    def forward(backend, shape):
+        if shape.inputs is None and backend.fused is not None:
+            return backend.fused.forward_logits(shape.batch)
+        return real(backend, shape)
+
+    StaticDecodeBackend._forward = forward
+    try:
+        yield
+    finally:
+        StaticDecodeBackend._forward = real
 
 
 @contextlib.contextmanager
@@ -147,6 +171,9 @@ def run_variant(name: str, models: dict, batch: int, args) -> tuple[float, float
     if name == "ops-moe":
         with moe_op_by_op(), switched(FusedDecoder, "cpu_step", False):
             return run()
+    if name == "head-in":
+        with head_inside():
+            return run()
     if name == "ops-step":
         with switched(FusedDecoder, "cpu_step", False):
             return run()
@@ -163,42 +190,46 @@ def run_variant(name: str, models: dict, batch: int, args) -> tuple[float, float
 
 
 class StepClock:
-    """Seconds inside the compiled call (kernels.cpu_step_plan.run_step) and in the model's
-    static replay, during an engine's decode steps."""
+    """Time inside the compiled call (kernels.cpu_step_plan.launch: run_step), in the model's static
+    replay and in the whole decode loop of an engine, each as wall seconds and as this process's
+    CPU seconds. On a machine whose cores other work shares, wall time includes the waits for a
+    core; CPU time does not, so at one thread the CPU shares are the robust ones."""
 
     def __init__(self):
-        self.kernel = self.model = 0.0
+        self.kernel = [0.0, 0.0]          # [wall, cpu]
+        self.model = [0.0, 0.0]
+        self.decode = [0.0, 0.0]
+        self._t0 = (0.0, 0.0)
         self.steps = 0
         self.program = None
 
+    @staticmethod
+    def _timed(fn, into: list):
+        def timed(*args):
+            w0, c0 = time.perf_counter(), time.process_time()
+            try:
+                return fn(*args)
+            finally:
+                into[0] += time.perf_counter() - w0
+                into[1] += time.process_time() - c0
+        return timed
+
     @contextlib.contextmanager
     def installed(self):
-        real_run, real_replay = cpu_step_plan.run_step, StaticDecodeBackend.replay
-
-        def run_step(*args):
-            t0 = time.perf_counter()
-            try:
-                return real_run(*args)
-            finally:
-                self.kernel += time.perf_counter() - t0
-
-        def replay(backend, shape):
-            t0 = time.perf_counter()
-            try:
-                return real_replay(backend, shape)
-            finally:
-                self.model += time.perf_counter() - t0
-
-        cpu_step_plan.run_step, StaticDecodeBackend.replay = run_step, replay
+        real_run, real_replay = cpu_step_plan.launch, StaticDecodeBackend.replay
+        cpu_step_plan.launch = self._timed(real_run, self.kernel)
+        StaticDecodeBackend.replay = self._timed(real_replay, self.model)
         try:
             yield self
         finally:
-            cpu_step_plan.run_step, StaticDecodeBackend.replay = real_run, real_replay
+            cpu_step_plan.launch, StaticDecodeBackend.replay = real_run, real_replay
 
     def on_decode(self, engine, steps: int) -> None:
-        if steps == 0:
-            self.kernel = self.model = 0.0
+        if steps == 0:                                   # the decode loop starts: the prefill's time is not its
+            self.kernel[:] = self.model[:] = [0.0, 0.0]
+            self._t0 = (time.perf_counter(), time.process_time())
             return
+        self.decode = [time.perf_counter() - self._t0[0], time.process_time() - self._t0[1]]
         self.steps = steps
         programs = [p for _, p in engine.static.fused._programs.values() if p is not None]
         self.program = max(programs, key=lambda p: p.rows, default=None)
@@ -213,33 +244,60 @@ def _read(a):
 
 
 def read_gb_s(nbytes: int, repeats: int = 5) -> float:
-    """This thread's read rate over an fp32 array of `nbytes` (median of `repeats` passes)."""
+    """This thread's read rate over an fp32 array of `nbytes` (median of `repeats` passes, CPU time)."""
     a = np.ones(nbytes // 4, np.float32)
     _read(a)
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         _read(a)
-        times.append(time.perf_counter() - t0)
+        times.append(time.process_time() - t0)
     return nbytes / statistics.median(times) / 1e9
 
 
-def breakdown(models: dict, batch: int, args, dram: float, l3: float) -> str:
-    """One line: where the default decode step of `batch` goes (medians over --rounds runs)."""
+def breakdown(models: dict, batch: int, args, dram: float, l3: float, variant: str = "default") -> str:
+    """One line: where the decode step of `batch` goes in `variant` (default or head-in; medians
+    over --rounds runs), in wall and in CPU milliseconds per step."""
     rows = []
     for _ in range(args.rounds):
         clock = StepClock()
-        with clock.installed():
-            step, _ = step_ms(models["auto"], batch, args.prompt_len, args.steps, on_decode=clock.on_decode)
+        with clock.installed(), (head_inside() if variant == "head-in" else contextlib.nullcontext()):
+            step_ms(models["auto"], batch, args.prompt_len, args.steps, on_decode=clock.on_decode)
         n = max(clock.steps, 1)
-        rows.append((step, 1000 * clock.model / n, 1000 * clock.kernel / n, clock.program))
-    step, model, kernel = (statistics.median(r[i] for r in rows) for i in range(3))
-    program = rows[-1][3]
+        rows.append([1000 * v / n for v in (*clock.decode, *clock.model, *clock.kernel)] + [clock.program])
+    step, step_cpu, model, model_cpu, kernel, kernel_cpu = (statistics.median(r[i] for r in rows) for i in range(6))
+    program = rows[-1][6]
     if program is None or kernel == 0:
-        return f"{batch:5d} {step:8.2f} {model:8.2f}   (no compiled step at this batch: op path)"
+        return f"{variant:>8s} {batch:5d} {step:8.2f} {step_cpu:8.2f}   (no compiled step at this batch: op path)"
     mb = sum(program.weight_bytes().values()) / 1e6
-    return (f"{batch:5d} {step:8.2f} {model:8.2f} {kernel:8.2f} {100 * kernel / step:6.1f}% {100 * model / step:6.1f}% "
-            f"{mb:8.2f} {mb / kernel:8.1f} {mb / dram:8.2f} {mb / l3:8.2f} {100 * mb / l3 / kernel:6.1f}%")
+    return (f"{variant:>8s} {batch:5d} {step:8.2f} {kernel:8.2f} {100 * kernel / step:6.1f}% {step_cpu:8.2f} "
+            f"{model_cpu:8.2f} {kernel_cpu:8.2f} {100 * kernel_cpu / step_cpu:6.1f}% "
+            f"{mb:8.2f} {mb / kernel_cpu:8.1f} {mb / dram:8.2f} {mb / l3:8.2f} {100 * mb / l3 / kernel_cpu:6.1f}%")
+
+
+def cpu_detail() -> str:
+    """Family / model numbers, caches and the vector extensions the kernels can use (the model
+    name alone, e.g. "AMD EPYC", does not say which generation)."""
+    info: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                info.setdefault(key.strip(), value.strip())
+    except OSError:
+        return "cpu details unknown"
+    flags = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in info.get("flags", "").split()]
+    caches = []
+    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            level, size = (index / "level").read_text().strip(), (index / "size").read_text().strip()
+            kind = (index / "type").read_text().strip()
+        except OSError:
+            continue
+        if kind != "Instruction":
+            caches.append(f"L{level} {size}")
+    return (f"{info.get('vendor_id', '?')} family {info.get('cpu family', '?')} model {info.get('model', '?')}; "
+            f"{', '.join(caches) or 'caches unknown'}; {' '.join(flags) or 'no AVX2'}")
 
 
 def main() -> None:
@@ -255,6 +313,7 @@ def main() -> None:
                         help="default is always run (the baseline)")
     args = parser.parse_args()
     print(header("bench_cpu_decode"), flush=True)
+    print(f"# {cpu_detail()}", flush=True)
     set_cpu_threads(args.threads)
     variants = ["default"] + [v for v in dict.fromkeys(args.variants) if v != "default"]
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
@@ -278,12 +337,17 @@ def main() -> None:
             print(f"{batch:5d} {phase:>7s} " + " ".join(f"{med[v]:10.1f}" for v in variants) + " "
                   + " ".join(f"{med[v] / med['default']:15.2f}x" for v in others), flush=True)
     dram, l3 = read_gb_s(512 << 20), read_gb_s(16 << 20)
-    print(f"# where the default decode step goes (ms per step, medians of {args.rounds}); single-thread read rate: "
-          f"{dram:.1f} GB/s from a 512 MiB array, {l3:.1f} GB/s from 16 MiB")
-    print(f"{'batch':>5s} {'step':>8s} {'model':>8s} {'kernels':>8s} {'share':>7s} {'model%':>7s} {'weight MB':>8s} "
-          f"{'GB/s':>8s} {'ms@DRAM':>8s} {'ms@16MiB':>8s} {'roof':>7s}")
+    print(f"# where the decode step goes (ms per step, medians of {args.rounds}): wall, then this process's CPU "
+          f"time (the robust figures on shared cores); kernels = inside the compiled call (run_step), share = "
+          f"kernels / step, the rest Python and dispatch (engine, sampling, ops around the call); model = the "
+          f"static replay (forward + logits). Roofline: the weight MB a step must read, the rate the call reads "
+          f"them at (CPU time), and their time at this thread's read rate: {dram:.1f} GB/s from a 512 MiB array "
+          f"(DRAM), {l3:.1f} GB/s from 16 MiB (L3); roof = ms@16MiB / kernels cpu")
+    print(f"{'variant':>8s} {'batch':>5s} {'step':>8s} {'kernels':>8s} {'share':>7s} {'step cpu':>8s} {'model cpu':>8s} "
+          f"{'kern cpu':>8s} {'share':>7s} {'weight MB':>8s} {'GB/s':>8s} {'ms@DRAM':>8s} {'ms@16MiB':>8s} {'roof':>7s}")
     for batch in args.batch:
-        print(breakdown(models, batch, args, dram, l3), flush=True)
+        for variant in [v for v in ("default", "head-in") if v in variants]:
+            print(breakdown(models, batch, args, dram, l3, variant), flush=True)
 
 
 if __name__ == "__main__":

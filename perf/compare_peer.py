@@ -1,12 +1,13 @@
 """ringserve vs a peer server on the same model and workload: transformers or llama.cpp's llama-server.
 
-    python perf/compare_peer.py [--peer transformers|llama.cpp] [--model-dir DIR] [--concurrency 1,2,4]
+    python perf/compare_peer.py [--peer transformers|llama.cpp] [--model-dir DIR | --geometry NAME]
+                                [--concurrency 1,2,4]
                                 [--workload fixed|agentx] [--endpoint chat|completions]
                                 [--input-len 128 --output-len 32] [--out-dir DIR] [-- SERVE_FLAGS...]
 
 Makes a model when no directory is given (transformers peer: `make-model DIR --preset small`;
-llama.cpp peer: the 6-layer FP8/FP4 tiny V4 of perf/peer_llamacpp.py), starts `python -m
-server.cli serve MODEL_DIR --port P`, runs `bench serve` against it at every concurrency and
+llama.cpp peer: the tiny V4 --geometry of perf/peer_llamacpp.py, by default the 6-layer FP8/FP4
+`small6`), starts `python -m server.cli serve MODEL_DIR --port P`, runs `bench serve` against it at every concurrency and
 stops it, then does the same with the peer (same seed, lengths and `ignore_eos`, so both decode
 the same number of tokens; one server at a time, so an idle one takes no cores), prints output
 tok/s, median TPOT and TTFT and p90 per-user tok/s side by side with the ringserve/peer ratios,
@@ -65,8 +66,8 @@ def _wait_up(url: str, proc: subprocess.Popen, name: str, timeout_s: float) -> N
     raise CompareError(f"{name} did not answer {url}/v1/models within {timeout_s:.0f} s")
 
 
-def _start(cmd: list[str], log: Path, threads: int) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(REPO)}
+def _start(cmd: list[str], log: Path, threads: int, extra_env: dict[str, str]) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(REPO), **extra_env}
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
 
 
@@ -134,7 +135,8 @@ def table_row(c: int, ring: dict, peer: dict) -> str:
 def _make_model(a: argparse.Namespace) -> str:
     model_dir = str(Path(tempfile.mkdtemp(prefix=f"ringserve-{a.peer.replace('.', '')}-")))
     if a.peer == "llama.cpp":
-        cmd = [sys.executable, str(REPO / "perf" / "peer_llamacpp.py"), "make-model", model_dir, "--seed", str(a.seed)]
+        cmd = [sys.executable, str(REPO / "perf" / "peer_llamacpp.py"), "make-model", model_dir, "--seed", str(a.seed),
+               "--geometry", a.geometry]
     else:
         cmd = [sys.executable, "-m", "server.cli", "make-model", model_dir, "--preset", "small"]
     subprocess.run(cmd, cwd=REPO, check=True, env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -156,6 +158,21 @@ def peer_command(a: argparse.Namespace, model_dir: str, slots: int) -> tuple[lis
     return cmd, f"llama.cpp llama-server ({line or 'version unknown'}; {slots} slots; {gguf.name})"
 
 
+def server_env(a: argparse.Namespace) -> dict[str, str]:
+    """--server-env KEY=VALUE pairs: set for both servers alike."""
+    env = {}
+    for item in a.server_env:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise CompareError(f"--server-env takes KEY=VALUE, got {item!r}")
+        env[key] = value
+    return env
+
+
+def _load() -> str:
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
 def _stop(procs: list[subprocess.Popen]) -> None:
     for proc in procs:
         proc.terminate()
@@ -171,7 +188,7 @@ def _serve_and_bench(cmd: list[str], log: Path, url: str, label: str, levels: li
                      a: argparse.Namespace) -> dict[int, dict]:
     """Start one server, bench it at every concurrency, stop it: the other server is not running
     meanwhile, so an idle server's threads never take cores from the one being measured."""
-    proc = _start(cmd, log, a.threads)
+    proc = _start(cmd, log, a.threads, server_env(a))
     docs = {}
     try:
         _wait_up(url, proc, label, a.startup_timeout)
@@ -188,6 +205,7 @@ def compare(a: argparse.Namespace, serve_flags: list[str]) -> int:
     if not _has_serve():
         raise CompareError("`python -m server.cli serve` does not exist yet (the lead is adding it to "
                            "server/cli.py); nothing to compare against")
+    server_env(a)                                       # a malformed pair fails before any server starts
     out = Path(a.out_dir or tempfile.mkdtemp(prefix="compare-peer-"))
     out.mkdir(parents=True, exist_ok=True)
     levels = [int(x) for x in a.concurrency.split(",")]
@@ -200,8 +218,10 @@ def compare(a: argparse.Namespace, serve_flags: list[str]) -> int:
                             levels, a)
     peer = _serve_and_bench(peer_cmd, out / "peer.log", f"http://127.0.0.1:{a.peer_port}", a.peer, levels, a)
     per_level = "requests " + ",".join(f"{prompts_at(a, c)} at c={c}" for c in levels)
-    print(f"# {cpu_model()}; {a.threads} threads per server; model {model_dir}")
+    print(f"# {cpu_model()}; {a.threads} threads per server; model {model_dir}; load {_load()}")
     print(f"# peer: {peer_desc}")
+    if a.server_env:
+        print(f"# both servers' environment: {' '.join(a.server_env)}")
     print(f"# workload {a.workload}, endpoint {a.endpoint}, input {a.input_len}, output {a.output_len} "
           f"(ignore_eos), {per_level}; ratio = ringserve/peer")
     print(table_header())
@@ -223,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="ringserve vs a peer server (transformers or llama.cpp)")
     ap.add_argument("--peer", choices=PEERS, default="transformers")
     ap.add_argument("--model-dir", default=None, help="default: a fresh model made for the peer")
+    ap.add_argument("--geometry", choices=list(peer_llamacpp.GEOMETRIES), default="small6",
+                    help="the tiny V4 made for the llama.cpp peer when no --model-dir is given "
+                         "(perf/peer_llamacpp.py GEOMETRIES)")
     ap.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
     ap.add_argument("--workload", choices=["fixed", "agentx"], default="fixed")
     ap.add_argument("--concurrency", default="1,2,4")
@@ -242,6 +265,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache-dir", default=str(peer_llamacpp.DEFAULT_CACHE),
                     help="llama.cpp sdist, build and GGUF cache (llama.cpp peer)")
     ap.add_argument("--build-jobs", type=int, default=2, help="ninja jobs for building llama-server")
+    ap.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
+                    help="an environment variable for both servers (repeatable), e.g. OMP_WAIT_POLICY=PASSIVE "
+                         "on a machine whose cores other work shares")
     ap.add_argument("--ctx-per-slot", type=int, default=1024, help="llama-server context per parallel slot")
     a = ap.parse_args(argv)
     try:

@@ -142,3 +142,24 @@ def test_mtp_speculation_greedy_tokens_equal_the_op_path(models):
     ops, op_engine = _op_path_run(model, prompts, steps=12, **_SPEC)
     assert compiled == ops and all(len(v) == 12 for v in compiled.values())
     assert engine.stats.spec_accepted_per_position == op_engine.stats.spec_accepted_per_position
+
+
+def test_later_runs_skip_the_dispatcher(models, monkeypatch):
+    """After its first run a program calls run_step's compiled entry point directly (numba's
+    dispatcher would type every argument again); the result is the dispatcher's, bit for bit."""
+    from kernels import cpu_step_plan
+
+    engine = _engine(models["fp8-fp4"], 2)
+    _run(engine, _prompts(2, models["fp8-fp4"].cfg.vocab_size), steps=3)
+    program = next(p for _, p in engine.static.fused._programs.values() if p is not None)
+    assert program.entry is not None
+    with torch.inference_mode():
+        streams, logits = (t.clone() for t in program.run())
+        via_dispatcher = []
+        monkeypatch.setattr(cpu_step_plan, "run_step", lambda *a: via_dispatcher.append(1))
+        again = program.run()[0].clone()                          # the entry point, not the name
+        assert not via_dispatcher
+        assert torch.equal(again.view(torch.int32), streams.view(torch.int32))
+        monkeypatch.undo()
+        assert cpu_step_plan.run_step(*program._args, True) == 0       # the dispatcher on the same batch
+        assert torch.equal(program.streams.view_as(streams), streams) and torch.equal(program.logits, logits)
