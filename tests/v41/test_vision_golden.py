@@ -119,6 +119,27 @@ def test_vit_and_aligner_within_tolerance(golden, model, ref_vision):
         assert torch.equal(getattr(enc, vector), ref_vision[vector])
 
 
+def test_fused_vit_attention_within_tolerance(golden, model, ref_vision):
+    """The GPU's fused attention form (run here on the CPU's flash kernel): the aligner output
+    stays within the golden tolerance."""
+    enc = model.encoder
+    blocks = [b.attn for b in enc.vision.blocks]
+    try:
+        for attn in blocks:
+            attn.fused = True
+        for name, info in golden["images"].items():
+            stem, h, w = Path(name).stem, info["n_vit_h"], info["n_vit_w"]
+            with torch.inference_mode():
+                emb = enc.aligner(enc.vision(ref_vision[f"{stem}.patches"], h, w), h, w).float()
+            ref = ref_vision[f"{stem}.embeddings"].float()
+            diff = emb - ref
+            assert float(diff.abs().max()) <= ALIGNER_MAX_ABS, name
+            assert float((diff.norm(dim=-1) / ref.norm(dim=-1)).max()) <= ALIGNER_ROW_REL, name
+    finally:
+        for attn in blocks:
+            attn.fused = None
+
+
 def test_engine_tokens_identical(golden, model, processed):
     prompts = _prompts(golden, processed, golden["image_token_id"])
     tokens, logprobs, engine = _generate(model, prompts, golden["max_new_tokens"])
