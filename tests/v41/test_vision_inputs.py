@@ -154,3 +154,21 @@ def test_images_for_a_model_without_a_tower_are_refused(frontend):
     with pytest.raises(RequestError, match="no vision tower"):
         check_images(SimpleNamespace(encoder=None), ids, frontend.image_data([image], starts))
     assert check_images(SimpleNamespace(encoder=None), ids, []) is None
+
+
+def test_image_positions_of_a_leg_without_its_images(frontend):
+    """A PD decode leg sent without its images knows their positions from the token ids alone
+    (Engram's DEAD mask), refuses to place them, and keys no prefix-cache block like another's."""
+    from engine.v41.vision.inputs import ImagePositions
+
+    a, b = frontend.preprocess(_encoded()), frontend.preprocess(_encoded((16, 100)))
+    ids, starts = frontend.expand_placeholders([3, IMAGE_TOKEN, IMAGE_TOKEN, 4], [a, b])
+    full = check_request_images(frontend.image_data([a, b], starts), ids, CFG, IMAGE_TOKEN)
+    only = ImagePositions.of_prompt(ids, IMAGE_TOKEN)
+    assert only.mask(0, len(ids)) == full.mask(0, len(ids))
+    assert only.meets(1, 2) and not only.meets(0, 1) and only.overlapping(0, 1) == []
+    with pytest.raises(RuntimeError, match="not sent"):
+        only.overlapping(0, len(ids))
+    assert only.digests_starting_in(0, 1) == b"" and len(only.digests_starting_in(0, 16)) == 16
+    assert only.digests_starting_in(0, 16) != ImagePositions.of_prompt(ids, IMAGE_TOKEN).digests_starting_in(0, 16)
+    assert ImagePositions.of_prompt([3, 4], IMAGE_TOKEN) is None

@@ -18,7 +18,8 @@ from __future__ import annotations
 import bisect
 import hashlib
 import math
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 from ipc.messages import ImageData
 
@@ -99,6 +100,9 @@ class ImagePositions:
     (engine/kv_transfer/decode_side.py refuses a replay that would)."""
 
     runs: tuple[tuple[int, int], ...]  # [start, end) runs of the image token, ascending
+    # Stands in for the unknown digests in prefix-cache keys: this request shares no block from
+    # its first image on (PD roles run without a prefix cache today; this keeps it safe).
+    nonce: bytes = field(default_factory=lambda: os.urandom(16))
 
     @classmethod
     def of_prompt(cls, prompt_ids: list[int], image_token_id: int) -> "ImagePositions | None":
@@ -128,7 +132,7 @@ class ImagePositions:
         return out
 
     def digests_starting_in(self, start: int, end: int) -> bytes:
-        raise RuntimeError("a request without its images cannot key the prefix cache")
+        return self.nonce if any(start <= lo < end for lo, _ in self.runs) else b""
 
 
 def multimodal_of(obj) -> RequestImages | None:
