@@ -13,7 +13,9 @@ FP8 / FP4 with byte scales (ue8m0), a MoE holding every expert on this rank.
 
 A weight or pool replaced after the build (a reload, a re-layout) is caught before each run by
 identity checks on the parameters and pool tensors; the program is then rebuilt. In-place updates
-need nothing: the views alias the storage.
+need nothing where the program views the storage; the bf16 copies it reads instead of
+bf16-exact dense weights are the exception, so an in-place write to such a weight (its version
+counter moves) rebuilds the program and remakes the copy.
 """
 from __future__ import annotations
 
@@ -47,6 +49,12 @@ class Unsupported(Exception):
     """The shape or the model is outside what the compiled step covers."""
 
 
+def _version(t: torch.Tensor) -> int:
+    """t's in-place write counter; -1 for an inference tensor, which has none (nothing can write
+    it outside inference mode, and the engine never does inside)."""
+    return -1 if t.is_inference() else t._version
+
+
 def _np(t: torch.Tensor) -> np.ndarray:
     """A C-contiguous numpy view of a CPU tensor (fp8 / e8m0 / int8 as uint8); no copies."""
     if not t.is_contiguous():
@@ -71,6 +79,7 @@ class _Arrays:
         self.h3 = List.empty_list(numba.uint16[:, :, ::1])
         self.keep: list = []                     # tensors the views alias (kept alive)
         self.watch: list[tuple[dict, str, object]] = []   # (holder, key, object) checked before each run
+        self.versions: list[tuple[torch.Tensor, int]] = []  # (parameter, version) of each bf16 copy's source
 
     def add(self, kind: str, t: torch.Tensor | np.ndarray, dtype=np.float32) -> int:
         arr = t if isinstance(t, np.ndarray) else _np(t)
@@ -90,7 +99,8 @@ class _Arrays:
         self.watch.append((module._parameters, name, module._parameters[name]))
 
     def unchanged(self) -> bool:
-        return all(holder.get(key) is obj for holder, key, obj in self.watch)
+        return (all(holder.get(key) is obj for holder, key, obj in self.watch)
+                and all(_version(t) == v for t, v in self.versions))
 
 
 class StepProgram:
@@ -109,7 +119,7 @@ class StepProgram:
         """The program of `batch`'s shape, or None where the compiled step does not apply.
         rope_tables(positions) -> (main cos, main sin, compress cos, compress sin) fp32 [P, r/2];
         bf16_copies: the bf16 copies of bf16-exact dense weights, shared by a model's programs
-        (weight → (weight, copy or None)), filled here."""
+        (id(parameter) → (parameter, its version, copy or None)), filled here."""
         try:
             return cls(bf16_copies)._build(decoder, batch, rope_tables)
         except Unsupported:
@@ -171,11 +181,14 @@ class StepProgram:
 
     def _bf16(self, weight: torch.Tensor, param: torch.Tensor) -> torch.Tensor | None:
         """The bf16 copy of a dense fp32 weight (a view of the parameter `param`) whose values are
-        all bf16, or None; made once per parameter object (a replaced parameter gets its own)."""
+        all bf16, or None; made once per parameter object and version (a replaced or rewritten
+        parameter gets a new one). The program is rebuilt when the parameter's version moves."""
+        version = _version(param)
         cached = self.bf16_copies.get(id(param))
-        if cached is None or cached[0] is not param:
-            cached = self.bf16_copies[id(param)] = (param, bf16_copy(weight))
-        return cached[1]
+        if cached is None or cached[0] is not param or cached[1] != version:
+            cached = self.bf16_copies[id(param)] = (param, version, bf16_copy(weight))
+        self.arrays.versions.append((param, version))
+        return cached[2]
 
     def _dense(self, w: torch.Tensor) -> int:
         """A lin row for a dense fp32 weight parameter [N, K]: its bf16 copy where it is bf16-exact."""

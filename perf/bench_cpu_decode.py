@@ -25,8 +25,10 @@ in one step, then --steps decode steps; ms per decode step, and ms for that pref
            matmuls multiply bf16 operands with fp32 accumulation (oneDNN); what `ringserve serve`
            runs on a CPU with AMX
 Rounds interleave the variants (default, ref-ops, …) so a busy neighbour slows them alike;
-medians over --rounds. Ratios are variant / default (> 1: the default is faster). --dtype is
-the compute dtype (fp32: what `ringserve serve` runs on CPU).
+medians over --rounds. Ratios are variant / default (> 1: the default is faster). Rows: wall ms
+per decode step, wall ms of the prefill, and this process's CPU ms per decode step ("dec cpu":
+without the waits for a core, the figure to compare on a machine others share). --dtype is the
+compute dtype (fp32: what `ringserve serve` runs on CPU).
 
 Then, per batch, where the decode step goes (default, and head-in when it is among the variants;
 medians of --rounds runs), in wall and in this process's CPU milliseconds per step: the engine's
@@ -71,9 +73,11 @@ from perf.machine import header, set_cpu_threads
 VARIANTS = ["default", "head-in", "ops-step", "ref-ops", "per-seq", "tiled", "ops-moe", "generic", "bf16", "bf16-mm"]
 
 
-def step_ms(model, batch: int, prompt_len: int, steps: int, static: bool = True, on_decode=None) -> tuple[float, float]:
-    """(ms per decode step, ms of the prefill step before them): one measurement. on_decode(engine,
-    decode steps): called after the run."""
+def step_ms(model, batch: int, prompt_len: int, steps: int, static: bool = True,
+            on_decode=None) -> tuple[float, float, float]:
+    """(wall ms per decode step, wall ms of the prefill step before them, this process's CPU ms per
+    decode step): one measurement. on_decode(engine, decode steps): called before (0) and after
+    the decode steps."""
     engine = Engine(model, EngineConfig(max_num_seqs=batch, max_num_batched_tokens=batch * prompt_len,
                                         num_kv_blocks=batch * (-(-(prompt_len + steps) // 256) + 2) + 4,
                                         block_size=256, speculative_tokens=0,
@@ -87,13 +91,14 @@ def step_ms(model, batch: int, prompt_len: int, steps: int, static: bool = True,
     prefill_ms = 1000 * (time.perf_counter() - t0)
     if on_decode is not None:
         on_decode(engine, 0)                                 # the prefill's share is not the decode's
-    t0, n = time.perf_counter(), 0
+    t0, c0, n = time.perf_counter(), time.process_time(), 0
     while engine.has_work:
         engine.step()
         n += 1
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     if on_decode is not None:
         on_decode(engine, n)
-    return 1000 * (time.perf_counter() - t0) / max(n, 1), prefill_ms
+    return 1000 * wall / max(n, 1), prefill_ms, 1000 * cpu / max(n, 1)
 
 
 @contextlib.contextmanager
@@ -161,8 +166,8 @@ def reference_ops():
             setattr(cpu_decode, name, fn)
 
 
-def run_variant(name: str, models: dict, batch: int, args) -> tuple[float, float]:
-    def run() -> tuple[float, float]:
+def run_variant(name: str, models: dict, batch: int, args) -> tuple[float, float, float]:
+    def run() -> tuple[float, float, float]:
         return step_ms(models["bf16" if name == "bf16" else "auto"], batch, args.prompt_len, args.steps,
                        static=name != "per-seq")
     if name == "ref-ops":
@@ -328,11 +333,11 @@ def main() -> None:
     for batch in args.batch:
         for name in variants:                                # warm-up: numba cache, allocator
             run_variant(name, models, batch, argparse.Namespace(prompt_len=args.prompt_len, steps=2))
-        times: dict[str, list[tuple[float, float]]] = {v: [] for v in variants}
+        times: dict[str, list[tuple[float, float, float]]] = {v: [] for v in variants}
         for _ in range(args.rounds):
             for name in variants:
                 times[name].append(run_variant(name, models, batch, args))
-        for i, phase in enumerate(("decode", "prefill")):
+        for i, phase in enumerate(("decode", "prefill", "dec cpu")):
             med = {v: statistics.median(t[i] for t in ts) for v, ts in times.items()}
             print(f"{batch:5d} {phase:>7s} " + " ".join(f"{med[v]:10.1f}" for v in variants) + " "
                   + " ".join(f"{med[v] / med['default']:15.2f}x" for v in others), flush=True)

@@ -163,3 +163,27 @@ def test_later_runs_skip_the_dispatcher(models, monkeypatch):
         monkeypatch.undo()
         assert cpu_step_plan.run_step(*program._args, True) == 0       # the dispatcher on the same batch
         assert torch.equal(program.streams.view_as(streams), streams) and torch.equal(program.logits, logits)
+
+
+def test_a_weight_written_in_place_remakes_its_bf16_copy(models):
+    """The program reads a bf16 copy of the LM head, not its storage: an in-place write to the
+    head (its version moves) must rebuild the program from the new values."""
+    model = models["bf16"]
+    engine = _engine(model, 2)
+    _run(engine, _prompts(2, model.cfg.vocab_size), steps=2)
+    decoder = engine.static.fused
+    batch = next(s.batch for k, s in engine.static._shapes.items() if k[0] != "mtp")
+    first = decoder.program(batch)
+    assert first is not None and DENSE_BF16 in first.lin_table[:, 0].tolist()
+    with torch.inference_mode():
+        before = first.run()[1].clone()
+        with torch.no_grad():
+            model.head.mul_(2)                                  # still bf16-exact; every logit doubles exactly
+        try:
+            second = decoder.program(batch)
+            assert second is not first and second.valid() and not first.valid()
+            assert torch.equal(second.run()[1], 2 * before)
+        finally:
+            with torch.no_grad():
+                model.head.mul_(0.5)
+    assert decoder.program(batch) is not second
