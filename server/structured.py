@@ -169,7 +169,7 @@ def _unenforced(node: Any, depth: int, param: str):
 
 
 def _checker_main(conn, tokenizer_path: str, vocab_size: int, stop_ids: list[int]) -> None:
-    """The helper process: compile each specification it is sent (JSON in, JSON out; no pickle),
+    """The helper process: compile each specification it is sent (JSON in, JSON out: never serialized Python objects),
     as the workers will (engine/structured/compiler.py)."""
     from engine.structured.compiler import GrammarError, compile_spec, is_json, make_compiler
 
