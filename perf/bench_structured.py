@@ -7,9 +7,11 @@ cached — after one warm-up round, and the ratio of decode throughputs is print
 (median over rounds). Also: the grammar compile time of every test schema
 (tests/structured_schemas.py) against the model's vocabulary, p50/p99, and the share of the
 constrained decode step spent filling and applying bitmasks (engine/step_sampling.py
-`_apply_grammars`).
+`_apply_grammars`), and MTP's acceptance with and without a grammar (`--speculative-tokens K`,
+greedy: the drafts are verified under the grammar, so a draft the grammar forbids is rejected).
 
     python perf/bench_structured.py [--model-dir DIR] [--batch 1 16 64] [--tokens 64] [--rounds 3]
+        [--speculative-tokens 3]
 """
 
 from __future__ import annotations
@@ -90,6 +92,42 @@ def throughput(model, tokenizer, batches: list[int], tokens: int, rounds: int, v
               f"{statistics.median(shares):>13.1%}")
 
 
+# A document the built-in model (trained on Python's documentation) can write something like.
+DOC_SCHEMA = {"type": "object", "properties": {"title": {"type": "string"}, "summary": {"type": "string"},
+                                               "see_also": {"type": "array", "items": {"type": "string"}}},
+              "required": ["title", "summary", "see_also"]}
+
+
+def acceptance(model, tokenizer, k: int, tokens: int) -> None:
+    """MTP acceptance per drafted token, free vs under DOC_SCHEMA (8 greedy requests each)."""
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    from ipc.messages import SamplingParams, StructuredOutput
+
+    if not len(model.mtp):
+        print("# acceptance: the model has no MTP layer")
+        return
+    prompts = [tokenizer.encode(text).ids for text in ("The function returns", "A module is", "Exceptions are",
+                                                        "The list type", "Dictionaries map", "A class defines",
+                                                        "The import statement", "Iterators yield")]
+    kinds = {"free": SamplingParams(max_tokens=tokens, temperature=0.0),
+             "json schema": SamplingParams(max_tokens=tokens, temperature=0.0,
+                                           structured=StructuredOutput("json", json.dumps(DOC_SCHEMA)))}
+    for name, params in kinds.items():
+        engine = Engine(model, EngineConfig(max_num_seqs=8, kv_cache_memory_bytes=256 << 20, block_size=16,
+                                            speculative_tokens=k, adaptive_speculation=False,
+                                            enable_prefix_caching=False))
+        for i, ids in enumerate(prompts):
+            engine.add_request(i, ids, params)
+        while engine.has_work:
+            engine.step()
+        st = engine.stats
+        per = [a / max(1, st.spec_drafts) for a in st.spec_accepted_per_position]
+        mean = sum(st.spec_accepted_per_position) / max(1, st.spec_draft_tokens)
+        print(f"# MTP k={k} {name:>11}: {mean:.1%} of {st.spec_draft_tokens} drafted tokens accepted; "
+              f"per position {', '.join(f'{a:.0%}' for a in per)}")
+
+
 def compile_times(model_dir: Path, vocab: int, eos: list[int]) -> None:
     from engine.structured.compiler import compile_spec, make_compiler
     from ipc.messages import StructuredOutput
@@ -114,6 +152,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=64, help="decode tokens per request")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--speculative-tokens", type=int, default=3, help="MTP drafts for the acceptance check (0: skip)")
     args = p.parse_args()
     set_cpu_threads(args.threads)
     from tokenizers import Tokenizer
@@ -128,6 +167,8 @@ def main() -> None:
     print(f"# model {model_dir} ({model.cfg.vocab_size} tokens), {args.tokens} decode tokens per request, "
           f"{args.rounds} rounds (medians)")
     compile_times(Path(model_dir), model.cfg.vocab_size, list(model.cfg.eos_token_ids))
+    if args.speculative_tokens:
+        acceptance(model, tokenizer, args.speculative_tokens, args.tokens)
     throughput(model, tokenizer, args.batch, args.tokens, args.rounds)
 
 

@@ -27,6 +27,7 @@ xgr = pytest.importorskip("xgrammar")
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.structured import RequestGrammar, apply_bitmask  # noqa: E402
+from engine.structured.bitmask import apply_bitmask_ops  # noqa: E402
 from engine.structured import compiler as grammar_compiler  # noqa: E402
 from engine.weights import load_model  # noqa: E402
 from ipc.messages import SamplingParams, StructuredOutput  # noqa: E402
@@ -78,9 +79,10 @@ def _run(engine: Engine, requests: list[tuple[list[int], SamplingParams]]) -> tu
     return tokens, finished
 
 
-def _json_requests(tokenizer, temperature: float, names: list[str]) -> list[tuple[list[int], SamplingParams]]:
+def _json_requests(tokenizer, temperature: float, names: list[str], max_tokens: int = 400
+                   ) -> list[tuple[list[int], SamplingParams]]:
     prompt = tokenizer.encode("Reply in JSON:").ids
-    return [(prompt, SamplingParams(max_tokens=400, temperature=temperature, seed=i,
+    return [(prompt, SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i,
                                     structured=StructuredOutput("json", json.dumps(SCHEMAS[name]))))
             for i, name in enumerate(names)]
 
@@ -190,8 +192,10 @@ def test_a_grammar_that_does_not_compile_is_a_400(model, tokenizer):
     assert engine.cache.manager.full.num_free == engine.cache.manager.full.num_blocks - 1  # nothing held
 
 
-def test_device_bitmask_masks_what_xgrammars_kernel_masks():
-    """apply_bitmask (torch ops on the logits' device) against xgrammar's own CPU kernel."""
+@pytest.mark.parametrize("apply", [apply_bitmask_ops, apply_bitmask], ids=["device-ops", "dispatch"])
+def test_device_bitmask_masks_what_xgrammars_kernel_masks(apply):
+    """apply_bitmask's torch ops (the GPU's path) and its CPU dispatch (xgrammar's kernel, rows
+    placed) against xgrammar's own CPU kernel on the full bitmask."""
     rng = np.random.default_rng(0)
     vocab = 1000
     words = torch.from_numpy(rng.integers(-(2**31), 2**31 - 1, size=(9, (vocab + 31) // 32),
@@ -200,10 +204,10 @@ def test_device_bitmask_masks_what_xgrammars_kernel_masks():
     rows = torch.tensor([0, 2, 3, 5, 7, 8])
     theirs = logits.clone()
     xgr.apply_token_bitmask_inplace(theirs, words, indices=rows.tolist())  # row i masked by words[i]
-    assert torch.equal(apply_bitmask(logits, words[rows], rows), theirs)
+    assert torch.equal(apply(logits, words[rows], rows), theirs)
     everything = logits.clone()
     xgr.apply_token_bitmask_inplace(everything, words)
-    assert torch.equal(apply_bitmask(logits, words), everything)
+    assert torch.equal(apply(logits, words), everything)
 
 
 def test_speculative_rows_follow_the_drafts(tokenizer, model_dir):
@@ -263,3 +267,27 @@ def test_v41_with_dspark_keeps_the_grammar(tmp_path_factory):
     assert engine.stats.spec_drafts > 0
     for i, name in enumerate(names):
         jsonschema.validate(json.loads(tokenizer.decode(tokens[i])), SCHEMAS[name])
+
+
+def test_preemption_and_prefix_cache_hits_keep_the_grammar(model, tokenizer):
+    """A pool too small for the batch preempts grammar requests mid-answer; each resumes by
+    recomputing its prompt and output, and its matcher (which never saw the preemption) goes on
+    from the same state: greedy output equals the roomy engine's, and validates. The same
+    requests again then start on cached prefix blocks, with the same output."""
+    names = ["nested", "array_bounds", "any_of", "pattern"]
+    requests = _json_requests(tokenizer, 0.0, names, max_tokens=100)
+    roomy, _ = _run(_engine(model, enable_prefix_caching=False), requests)
+    need = [-(-(len(requests[i][0]) + len(t)) // 16) for i, t in roomy.items()]  # blocks each answer ends on
+    cramped = _engine(model, num_kv_blocks=max(9, sum(need) // 2), enable_prefix_caching=False)
+    got, finished = _run(cramped, requests)
+    assert cramped.stats.num_preemptions > 0
+    assert got == roomy and all(f.reason == "stop" for f in finished.values())
+    for i, name in enumerate(names):
+        jsonschema.validate(json.loads(tokenizer.decode(got[i])), SCHEMAS[name])
+
+    cached = _engine(model)
+    long = [(prompt * 3, params) for prompt, params in requests]  # whole blocks to hit
+    first, _ = _run(cached, long)
+    again, finished = _run(cached, long)
+    assert first == again
+    assert all(f.cached_tokens > 0 for f in finished.values()), [f.cached_tokens for f in finished.values()]
