@@ -35,13 +35,15 @@ def make_model_dir(out_dir: str | Path, preset: str, seed: int = 0, layout: str 
                    quantize: str | None = None, arch: str = "v4", **overrides) -> Path:
     """Write a random-weight checkpoint plus tokenizer (what `ringserve make-model` does);
     overrides replace V4 preset fields. arch 'v41' writes a DeepSeek-V4.1 release-format
-    directory (its own layout and dtypes)."""
+    directory (its own layout and dtypes); its only override is `vision=True` (the preset's
+    vision tower)."""
     if arch == "v41":
         from engine.v41.checkpoint import write_v41_checkpoint
 
+        vision = bool(overrides.pop("vision", False))
         if overrides:
             raise ValueError(f"preset overrides are for V4 checkpoints, got {sorted(overrides)}")
-        return write_v41_checkpoint(out_dir, preset, seed=seed, quantize=quantize)
+        return write_v41_checkpoint(out_dir, preset, seed=seed, quantize=quantize, vision=vision)
     import torch
 
     from engine.checkpoint import preset_config, random_state, write_checkpoint

@@ -35,6 +35,9 @@ def _add_make_model(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--layout", choices=["upstream", "transformers"], default="upstream",
                    help="tensor names and config keys: upstream (released checkpoints) or transformers")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="dtype of unquantized tensors")
+    p.add_argument("--vision", action="store_true",
+                   help="with --arch v41: add the preset's vision tower (ViT, aligner, image token), so the "
+                        "checkpoint takes images")
     p.set_defaults(func=_cmd_make_model)
 
 
@@ -274,9 +277,13 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
 
     if args.arch == "v41" and (args.layout != "upstream" or args.dtype != "bf16"):
         raise CliError("--arch v41 writes the release format: --layout and --dtype do not apply")
+    if args.vision and args.arch != "v41":
+        raise CliError("--vision needs --arch v41 (DeepSeek-V4 has no vision tower)")
+    extra = {"vision": True} if args.vision else {}
     out = make_model_dir(args.out_dir, args.preset, seed=args.seed, layout=args.layout, dtype=args.dtype,
-                         quantize=args.quantize, arch=args.arch)
-    print(f"wrote {args.preset} DeepSeek-{'V4.1' if args.arch == 'v41' else 'V4'} checkpoint to {out}")
+                         quantize=args.quantize, arch=args.arch, **extra)
+    tower = " with a vision tower" if args.vision else ""
+    print(f"wrote {args.preset} DeepSeek-{'V4.1' if args.arch == 'v41' else 'V4'} checkpoint{tower} to {out}")
     return 0
 
 

@@ -166,3 +166,20 @@ def test_warm_kernels_serves_each_checkpoint_and_names_a_missing_one(tiny_dir, t
     assert proc.stdout.startswith(f"warmed the CPU kernels of {tiny_dir} in "), proc.stdout
     missing = ringserve("warm-kernels", str(tmp_path / "nope"), check=False)
     assert missing.returncode == 2 and missing.stderr.strip() == f"ringserve: error: {tmp_path / 'nope'}: not a directory"
+
+
+def test_make_model_vision_writes_a_tower_the_engine_loads(tmp_path):
+    from safetensors import safe_open
+
+    refused = ringserve("make-model", str(tmp_path / "v4"), "--vision", check=False)
+    assert refused.returncode != 0 and "--vision needs --arch v41" in refused.stderr
+    out = tmp_path / "v41"
+    assert "with a vision tower" in ringserve("make-model", str(out), "--arch", "v41", "--vision").stdout
+    config = json.loads((out / "config.json").read_text())
+    assert config["vision_config"]["num_hidden_layers"] > 0
+    names = set()
+    for shard in out.glob("*.safetensors"):
+        with safe_open(str(shard), "pt") as f:
+            names.update(f.keys())
+    assert any(n.startswith("vision.") for n in names) and any(n.startswith("aligner.") for n in names)
+    assert load_model(out, dtype=torch.float32, progress=False).encoder is not None
