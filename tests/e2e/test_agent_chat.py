@@ -1,5 +1,6 @@
 """Agents over OpenAI chat completions, with the official `openai` client, against `ringserve
-serve` on a tiny random DeepSeek-V4 (DeepSeek's chat format, chosen by --tokenizer-mode auto):
+serve` on a tiny random DeepSeek-V4 over two expert-parallel ranks (DeepSeek's chat format, chosen
+by --tokenizer-mode auto; forced tool choices are grammars, so structured outputs run under EP):
 thinking on by default (reasoning_content, streamed delta.reasoning_content, reasoning_tokens),
 tools with tool_choice auto / required / named, tool-call deltas, multi-turn tool conversations,
 cached_tokens, session headers, /tokenize of chat messages equal to DeepSeek's own encoder's
@@ -53,7 +54,7 @@ def agent_model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def served(agent_model):
-    s = Server(agent_model, "--max-num-seqs", "8", "--dp", "2", "--served-model-name", "tiny")
+    s = Server(agent_model, "--max-num-seqs", "8", "--dp", "2", "--enable-expert-parallel", "--served-model-name", "tiny")
     s.model_dir = agent_model
     yield s
     assert s.stop() == 0, s.output()
