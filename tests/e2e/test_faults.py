@@ -128,7 +128,9 @@ def test_corrupt_output_ring_slot_fails_its_requests_and_the_server(model_dir):
         client = threading.Thread(target=_post, args=(server, {"prompt": "long", "max_tokens": 600,
                                                                "ignore_eos": True}, results))
         client.start()
-        time.sleep(1.0)  # generating
+        end = time.monotonic() + 60
+        while _ring_header(ring)["written"] < 2 and time.monotonic() < end:
+            time.sleep(0.005)  # until it generates: the compiled CPU step writes 600 tokens in well under 1 s
         stop_process(server.proc.pid)  # the front process stops reading; the worker writes on
         try:
             corrupted = _corrupt_unread(ring)
