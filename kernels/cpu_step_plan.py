@@ -382,16 +382,17 @@ class StepProgram:
         self.step_f = np.array([cfg.rms_norm_eps, cfg.hc_eps], np.float64)
 
     # ---- what a step reads -------------------------------------------------------------------------
-    def weight_bytes(self) -> dict[str, float]:
-        """Weight bytes one step must read, by kind: every plain product's weight and scales (dense,
-        bf16 copies, FP8, FP4; the LM head among them), the routers and one embedding row per
-        token, and for each stack its
-        active members: wo_a's every group, and of E routed experts the E·(1 − (1 − k/E)^T) a
+    def weight_bytes(self, with_logits: bool = True) -> dict[str, float]:
+        """Weight bytes one step (run(with_logits)) must read, by kind: every plain product's weight
+        and scales (dense, bf16 copies, FP8, FP4; the LM head among them with the logits), the
+        routers and one embedding row per token, and for each stack its active members: wo_a's every group, and of E routed experts the E·(1 − (1 − k/E)^T) a
         step of T tokens touches on average when routing is uniform (exact at T = 1)."""
         a, t = self.arrays, self.rows
         out = {"dense": 0.0, "bf16": 0.0, "fp8": 0.0, "fp4": 0.0, "experts": 0.0, "router": 0.0}
         names = {DENSE: "dense", DENSE_T: "dense", DENSE_BF16: "bf16", FP8: "fp8", FP4: "fp4"}
-        for kind, w, s, *_ in self.lin_table.tolist() if self.lin else []:
+        for row, (kind, w, s, *_) in enumerate(self.lin_table.tolist() if self.lin else []):
+            if row == self.step[L.HEAD] and not with_logits:
+                continue
             weight = {DENSE: a.f2, DENSE_BF16: a.h2}.get(kind, a.u2)[w]
             out[names[kind]] += weight.nbytes + (a.u2[s].nbytes if kind in (FP8, FP4) else 0)
         for index, (kind, w, s, *_) in enumerate(self.grp_table.tolist() if self.grp else []):
@@ -427,7 +428,7 @@ def launch(program: StepProgram, args: tuple) -> int:
     """run_step(*args) for `program`, whose arguments keep their types from run to run: the first
     call goes through numba's dispatcher (which compiles or loads the cache), later ones straight
     to the compiled entry point it picked. The dispatcher types every argument on every call, the
-    typed lists and tuples in Python: ~0.1-0.3 ms a step, more than a small model's kernels."""
+    typed lists and tuples in Python: ~0.1 ms of a 1.4 ms batch-1 step of a 6-layer tiny V4."""
     entry = program.entry
     if entry is not None:
         return entry(*args)

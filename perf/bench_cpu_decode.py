@@ -274,7 +274,7 @@ def breakdown(models: dict, batch: int, args, dram: float, l3: float, variant: s
     program = rows[-1][6]
     if program is None or kernel == 0:
         return f"{variant:>8s} {batch:5d} {step:8.2f} {step_cpu:8.2f}   (no compiled step at this batch: op path)"
-    mb = sum(program.weight_bytes().values()) / 1e6
+    mb = sum(program.weight_bytes(with_logits=variant == "head-in").values()) / 1e6   # the head: inside or not
     return (f"{variant:>8s} {batch:5d} {step:8.2f} {kernel:8.2f} {100 * kernel / step:6.1f}% {step_cpu:8.2f} "
             f"{model_cpu:8.2f} {kernel_cpu:8.2f} {100 * kernel_cpu / step_cpu:6.1f}% "
             f"{mb:8.2f} {mb / kernel_cpu:8.1f} {mb / dram:8.2f} {mb / l3:8.2f} {100 * mb / l3 / kernel_cpu:6.1f}%")

@@ -17,7 +17,10 @@ from llama.cpp's own converter at benchmark time (perf/peer_llamacpp.py, cached 
 --cache-dir), never a ringserve dependency. Both servers get the same thread count
 (OMP_NUM_THREADS, ringserve's --threads-per-worker unless given after `--`, the peer's threads).
 Exits 2 with one line if `ringserve serve` does not exist, the peer cannot be built, or a server
-does not come up.
+does not come up (a peer that fails after ringserve was measured still gets ringserve's table,
+its own cells n/a). --server-env sets a variable for both servers, --ringserve-env for ringserve
+only (e.g. OMP_WAIT_POLICY=PASSIVE: on cores other work shares, OpenMP helpers that spin at every
+parallel region's end cost ringserve's many small regions far more than llama.cpp's).
 """
 
 from __future__ import annotations
@@ -158,13 +161,13 @@ def peer_command(a: argparse.Namespace, model_dir: str, slots: int) -> tuple[lis
     return cmd, f"llama.cpp llama-server ({line or 'version unknown'}; {slots} slots; {gguf.name})"
 
 
-def server_env(a: argparse.Namespace) -> dict[str, str]:
-    """--server-env KEY=VALUE pairs: set for both servers alike."""
+def server_env(a: argparse.Namespace, ringserve: bool = False) -> dict[str, str]:
+    """The KEY=VALUE pairs of --server-env (both servers) and, for ringserve, --ringserve-env."""
     env = {}
-    for item in a.server_env:
+    for item in a.server_env + (a.ringserve_env if ringserve else []):
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise CompareError(f"--server-env takes KEY=VALUE, got {item!r}")
+            raise CompareError(f"--server-env and --ringserve-env take KEY=VALUE, got {item!r}")
         env[key] = value
     return env
 
@@ -185,10 +188,10 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 
 
 def _serve_and_bench(cmd: list[str], log: Path, url: str, label: str, levels: list[int],
-                     a: argparse.Namespace) -> dict[int, dict]:
+                     a: argparse.Namespace, env: dict[str, str]) -> dict[int, dict]:
     """Start one server, bench it at every concurrency, stop it: the other server is not running
     meanwhile, so an idle server's threads never take cores from the one being measured."""
-    proc = _start(cmd, log, a.threads, server_env(a))
+    proc = _start(cmd, log, a.threads, env)
     docs = {}
     try:
         _wait_up(url, proc, label, a.startup_timeout)
@@ -205,7 +208,7 @@ def compare(a: argparse.Namespace, serve_flags: list[str]) -> int:
     if not _has_serve():
         raise CompareError("`python -m server.cli serve` does not exist yet (the lead is adding it to "
                            "server/cli.py); nothing to compare against")
-    server_env(a)                                       # a malformed pair fails before any server starts
+    server_env(a, ringserve=True)                       # a malformed pair fails before any server starts
     out = Path(a.out_dir or tempfile.mkdtemp(prefix="compare-peer-"))
     out.mkdir(parents=True, exist_ok=True)
     levels = [int(x) for x in a.concurrency.split(",")]
@@ -215,23 +218,30 @@ def compare(a: argparse.Namespace, serve_flags: list[str]) -> int:
         serve_flags = [*serve_flags, "--threads-per-worker", str(a.threads)]
     ring_cmd = [sys.executable, "-m", "server.cli", "serve", model_dir, "--port", str(a.ringserve_port), *serve_flags]
     ring = _serve_and_bench(ring_cmd, out / "ringserve.log", f"http://127.0.0.1:{a.ringserve_port}", "ringserve",
-                            levels, a)
-    peer = _serve_and_bench(peer_cmd, out / "peer.log", f"http://127.0.0.1:{a.peer_port}", a.peer, levels, a)
+                            levels, a, server_env(a, ringserve=True))
+    peer_error = None
+    try:
+        peer = _serve_and_bench(peer_cmd, out / "peer.log", f"http://127.0.0.1:{a.peer_port}", a.peer, levels, a,
+                                server_env(a))
+    except CompareError as exc:                         # ringserve's side is still worth its table
+        peer, peer_error = {}, str(exc)
     per_level = "requests " + ",".join(f"{prompts_at(a, c)} at c={c}" for c in levels)
     print(f"# {cpu_model()}; {a.threads} threads per server; model {model_dir}; load {_load()}")
-    print(f"# peer: {peer_desc}")
+    print(f"# peer: {peer_desc}" + (f"; FAILED: {peer_error} (see {out / 'peer.log'})" if peer_error else ""))
     if a.server_env:
         print(f"# both servers' environment: {' '.join(a.server_env)}")
+    if a.ringserve_env:
+        print(f"# ringserve's environment: {' '.join(a.ringserve_env)}")
     print(f"# workload {a.workload}, endpoint {a.endpoint}, input {a.input_len}, output {a.output_len} "
           f"(ignore_eos), {per_level}; ratio = ringserve/peer")
     print(table_header())
     docs = []
     for c in levels:
-        docs += [ring[c], peer[c]]
-        print(table_row(c, ring[c], peer[c]))
+        docs += [ring[c]] + ([peer[c]] if c in peer else [])
+        print(table_row(c, ring[c], peer.get(c, {})))
     plot.draw(docs, out / "compare.png")
     print(f"results and compare.png in {out}")
-    return 0
+    return 2 if peer_error else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -268,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
                     help="an environment variable for both servers (repeatable), e.g. OMP_WAIT_POLICY=PASSIVE "
                          "on a machine whose cores other work shares")
+    ap.add_argument("--ringserve-env", action="append", default=[], metavar="KEY=VALUE",
+                    help="an environment variable for ringserve only (repeatable)")
     ap.add_argument("--ctx-per-slot", type=int, default=1024, help="llama-server context per parallel slot")
     a = ap.parse_args(argv)
     try:
