@@ -73,13 +73,19 @@ class WorkerProcess:
 
 
 def pin_cpu_threads(n: int) -> None:
-    """Give this process `n` compute threads in numba and in every OpenMP pool (torch's too).
+    """Give this process `n` compute threads in numba and in every OpenMP pool (torch's too),
+    idle threads sleeping.
     Must run before numba is imported (it reads NUMBA_NUM_THREADS once). Without it a worker asked
     for 1 thread ran numba kernels on every core, and torch followed after the first of them."""
     if "numba" in sys.modules:
         raise RuntimeError("pin_cpu_threads must run before numba is imported")
     os.environ["NUMBA_NUM_THREADS"] = str(n)
     os.environ["OMP_NUM_THREADS"] = str(n)
+    # Idle OpenMP threads sleep instead of spinning (unless the operator says otherwise): numba's
+    # and torch's pools take turns within every decode step, and a pool spinning on a core another
+    # pool or process needs made a batch-1 step 105 ms instead of 6.7 ms on a loaded 2-core host
+    # (perf/bench_cpu_decode.py; llama.cpp's libgomp behaves the same).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def main(argv: list[str]) -> None:
