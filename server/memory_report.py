@@ -195,7 +195,8 @@ def _v41_formats(model, cfg, source: Path, weight_dtype: str) -> dict:
         return {}
     if source.is_dir() and any(source.glob("*.safetensors")):
         ckpt = _Checkpoint(model_shards(source))
-        targets = _targets(ckpt, {n for n, _ in model.named_parameters()}, len(model.mtp) > 0)
+        targets = _targets(ckpt, {n for n, _ in model.named_parameters()}, len(model.mtp) > 0,
+                           getattr(model, "encoder", None) is not None)
         return stored_formats(model, ckpt, targets)
     return v41_formats_from_config(model, cfg)
 
