@@ -293,6 +293,7 @@ def test_abort_while_waiting_for_remote_kv_frees_both_sides(engines):
     pre, dec, _ = engines
     prompt = _prompt(30, seed=7)
     _decode(pre, dec, 69, _prompt(5), _prefill(pre, dec, 68, _prompt(5)))  # connected: the abort's KVDone can go
+    _settle(pre, dec, lambda: not pre.connector.prefill.leases)  # that run's lease released before counting
     kv = _prefill(pre, dec, 70, prompt)  # after the connecting run: a slow machine must not outlast its lease
     counters = pre.connector.ctx.counters
     released, expired = counters.released, counters.expired
