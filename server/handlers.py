@@ -59,6 +59,15 @@ async def read_json(request: web.Request) -> Any:
     except (HttpProcessingError, RequestPayloadError) as exc:  # e.g. Content-Encoding: gzip on a body that isn't
         reason = " ".join(str(getattr(exc, "message", exc)).split())
         raise ProtocolError(f"the request body cannot be read: {reason}", None, "invalid_body") from None
+    if len(raw) > _DECODE_ON_LOOP_MAX:  # a large body parses on the pool: the loop keeps answering meanwhile
+        return await offload.run(_parse_json_body, raw)
+    return _parse_json_body(raw)
+
+
+_DECODE_ON_LOOP_MAX = 64 << 10  # bytes; a few hundred microseconds of decoding
+
+
+def _parse_json_body(raw: bytes) -> Any:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
