@@ -24,6 +24,7 @@ both groups and releases the store; afterwards the process holds no socket of th
 from __future__ import annotations
 
 import fcntl
+import gc
 import json
 import logging
 import os
@@ -89,6 +90,7 @@ class DistGroup:
             self.group = self.cpu_group = self.store = None  # type: ignore[assignment]
             _close_store(self._client, self._server)
             self._client = self._server = None
+            gc.collect()  # a group still held by a reference cycle (a backend's closure) keeps its threads until GC
 
     def _depart(self, grace_s: float) -> None:
         try:
