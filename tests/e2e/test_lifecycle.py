@@ -38,7 +38,9 @@ async def _first_chunk_then(session, url, body, after):
 
 
 def test_overload_is_429_with_retry_after(model_dir):
-    server = Server(model_dir, "--max-num-seqs", "1", "--max-queued-requests", "1")
+    # The per-sequence eager path: the compiled CPU step ran the first 900 tokens (and then the queued
+    # request's) within the second this test waits, leaving no queue to overflow.
+    server = Server(model_dir, "--max-num-seqs", "1", "--max-queued-requests", "1", "--enforce-eager")
     try:
         async def main():
             async with aiohttp.ClientSession() as s:
