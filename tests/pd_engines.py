@@ -49,3 +49,13 @@ def collect(engine, others: tuple, rid: int, timeout_s: float = 60.0):
         for f in out.finished:
             if f.request_id == rid:
                 return tokens, logprobs, f
+
+
+def wait_for_leases(pre, dec, timeout_s: float = 60.0) -> None:
+    """Step both engines until the prefill holds no lease (released, or expired); the bound is
+    wide because a lease may have to run out on a loaded machine."""
+    end = time.monotonic() + timeout_s
+    while pre.connector.prefill.leases:
+        assert time.monotonic() < end, "the prefill still holds a lease"
+        pre.step()
+        dec.step()

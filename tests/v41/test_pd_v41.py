@@ -29,7 +29,7 @@ from engine.kv_transfer.config import KVTransferConfig  # noqa: E402
 from engine.kv_transfer.plan import make_plan  # noqa: E402
 from engine.v41.checkpoint import write_v41_checkpoint  # noqa: E402
 from ipc.messages import SamplingParams  # noqa: E402
-from pd_engines import UCX_ENV, collect, poison_pools, ucx_environment  # noqa: E402
+from pd_engines import UCX_ENV, collect, poison_pools, ucx_environment, wait_for_leases  # noqa: E402
 from tests.v41.engine_helpers import load, run_engine  # noqa: E402
 
 B = 16
@@ -110,11 +110,7 @@ def _global_bytes(layout, n: int) -> int:
 
 
 def _settled(pre: Engine, dec: Engine) -> None:
-    end = time.monotonic() + 10.0
-    while pre.connector.prefill.leases:
-        assert time.monotonic() < end, "the prefill still holds a lease"
-        pre.step()
-        dec.step()
+    wait_for_leases(pre, dec)
     for e in (pre, dec):
         assert (e.cache.manager.full.num_used, e.cache.manager.sliding.num_used) == (0, 0)
         assert not e.scheduler.has_work

@@ -11,7 +11,6 @@ numerics, decode pools poisoned (a row the replay should have rebuilt and did no
 
 from __future__ import annotations
 
-import time
 
 import msgspec
 import numpy as np
@@ -28,7 +27,7 @@ from engine.request import RequestError  # noqa: E402
 from engine.v41.checkpoint import write_v41_checkpoint  # noqa: E402
 from engine.v41.vision.frontend import VisionFrontend  # noqa: E402
 from ipc.messages import SamplingParams  # noqa: E402
-from pd_engines import collect, poison_pools, ucx_environment  # noqa: E402
+from pd_engines import collect, poison_pools, ucx_environment, wait_for_leases  # noqa: E402
 from tests.v41.engine_helpers import load  # noqa: E402
 from tests.v41.test_vision_engine import png  # noqa: E402
 
@@ -99,11 +98,7 @@ def _prefill(pre: Engine, dec: Engine, rid: int, ids, images):
 
 
 def _settled(pre: Engine, dec: Engine) -> None:
-    end = time.monotonic() + 10.0
-    while pre.connector.prefill.leases:
-        assert time.monotonic() < end, "the prefill still holds a lease"
-        pre.step()
-        dec.step()
+    wait_for_leases(pre, dec)
     for e in (pre, dec):
         assert (e.cache.manager.full.num_used, e.cache.manager.sliding.num_used) == (0, 0)
 
