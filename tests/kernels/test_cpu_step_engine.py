@@ -15,13 +15,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.fused_decode import FusedDecoder
 from engine.weights import load_model
 from ipc.messages import SamplingParams
 from kernels.cpu_gemv import DENSE_GEMV_MAX_ROWS
 from kernels.cpu_step_linear import DENSE, DENSE_BF16
+from tests.kernels.test_cpu_step import _engine, _prompts  # the same engine and prompts as the step tests
 
 
 @pytest.fixture(scope="module")
@@ -30,18 +30,6 @@ def models(checkpoint_factory):
     quant = checkpoint_factory("tiny-fp8-fp4", dtype=torch.bfloat16, quantize="fp8-fp4", index_topk=64)
     return {"bf16": load_model(bf16, dtype=torch.float32, progress=False),
             "fp8-fp4": load_model(quant, dtype=torch.float32, progress=False)}
-
-
-def _engine(model, seqs: int, **kw) -> Engine:
-    args = dict(max_num_seqs=seqs, max_num_batched_tokens=512, kv_cache_memory_bytes=8 << 20, block_size=16,
-                cuda_graph_sizes=(1, 2, 4, 8, 16), static_decode=True, max_model_len=256)
-    args.update(kw)
-    return Engine(model, EngineConfig(**args))
-
-
-def _prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(2, vocab - 1, (10 + 9 * i,), generator=g).tolist() for i in range(n)]
 
 
 def _run(engine: Engine, prompts, steps: int) -> dict[int, list[int]]:
