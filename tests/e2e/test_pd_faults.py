@@ -10,7 +10,7 @@ removes: a SIGKILLed owner cannot unlink them), and a fresh request through the 
 the same greedy output as before the fault.
 
 Cast (booted together): prefills P1 (stalled, then killed) and P2; decodes D1 (READ timeout
-10 s; killed last) and D2 (READ timeout 1.5 s). The proxy lists P1, P2 and D1, D2: with no load
+10 s, eager decode steps; killed last) and D2 (READ timeout 1.5 s). The proxy lists P1, P2 and D1, D2: with no load
 it picks the first listed, so traffic goes P1 → D1 until a fault takes one of them out.
 """
 from __future__ import annotations
@@ -50,7 +50,9 @@ def cast(model_dir):
         p1, p2 = _Deferred(model_dir, *COMMON, *prefill), _Deferred(model_dir, *COMMON, *prefill)
         procs += [p1, p2]
         decode = ("--kv-role", "decode", "--kv-transfer", "nixl")
-        d1 = _Deferred(model_dir, *COMMON, *decode, "--kv-transfer-timeout", "10")
+        # D1 decodes eagerly (~13 ms a token on the tiny model, the compiled step ~1.5 ms): the last
+        # test's 900-token requests must still be decoding on D1 when the kill sequence reaches it
+        d1 = _Deferred(model_dir, *COMMON, *decode, "--kv-transfer-timeout", "10", "--enforce-eager")
         d2 = _Deferred(model_dir, *COMMON, *decode, "--kv-transfer-timeout", "1.5")
         procs += [d1, d2]
         proxy = Proxy(model_dir.parent, [p1.url, p2.url], [d1.url, d2.url])
