@@ -18,7 +18,9 @@ appends to its own; worker processes and headless nodes have no /metrics and onl
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import os
 import time
 
 import zmq
@@ -76,6 +78,19 @@ def _peer_name(peer: object) -> str:
     return peer.hex() if isinstance(peer, bytes) else str(peer)
 
 
+_MONITOR_SERIAL = itertools.count()
+
+
+def monitor_socket(sock: zmq.Socket, events: int) -> zmq.Socket:
+    """A PAIR socket receiving `sock`'s monitor `events`, on an inproc address used once.
+
+    pyzmq's default address is derived from the socket's file descriptor, and ZeroMQ releases an
+    inproc endpoint only when its reaper gets to it after `disable_monitor`: a second monitor on
+    the same socket (or on a new socket given the same descriptor) could then fail with "Address
+    already in use" on a loaded machine. A fresh name per monitor cannot collide."""
+    return sock.get_monitor_socket(events, addr=f"inproc://ringserve-monitor-{os.getpid()}-{next(_MONITOR_SERIAL)}")
+
+
 class HandshakeMonitor:
     """Counts a listening socket's failed handshakes and closed connections (monitor events)."""
 
@@ -84,7 +99,7 @@ class HandshakeMonitor:
 
     def __init__(self, sock: zmq.Socket, channel: str):
         self.channel = channel
-        self.monitor = sock.get_monitor_socket(self.EVENTS)
+        self.monitor = monitor_socket(sock, self.EVENTS)
         self._sock = sock
         self._logged_at = -LOG_INTERVAL_S
         self._refused_since_log = 0

@@ -34,7 +34,7 @@ from ipc.errors import IpcError, RingClosed, RingTimeout
 from ipc.segment import remove_orphans
 
 from . import cluster_auth
-from .channel_guard import DropLog, guarded
+from .channel_guard import DropLog, guarded, monitor_socket
 from .engine_client import config_digest, request_ring, worker_device
 from .links import LocalLink
 from .node_wire import (DECODE, ENCODE, ENVELOPE_BYTES, NODE_ALIVE_S, TO_RANK, NodeAlive, NodeBye, NodeHello,
@@ -127,8 +127,8 @@ class HeadlessNode:
         # until then); the hello is repeated with back-off until the head answers it.
         self.sock = heartbeat_socket(self.ctx.socket(zmq.DEALER), self.ring.payload_bytes + ENVELOPE_BYTES)
         self.auth.secure_client(self.sock, cluster_auth.NODE_CHANNEL)
-        handshake = self.sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-                                                 | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+        handshake = monitor_socket(self.sock, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                                   | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
         self.sock.connect(cluster_auth.tcp_endpoint(self.sock, p.data_parallel_address, p.data_parallel_rpc_port))
         try:
             while True:
@@ -240,7 +240,7 @@ class HeadlessNode:
     async def _watch_head(self) -> None:
         """The head's connection closing (its process died, or ZeroMQ's heartbeats timed out)
         ends this node: its ranks belong to a group that no longer exists."""
-        monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        monitor = monitor_socket(self.sock, zmq.EVENT_DISCONNECTED)  # the second monitor of this socket
         try:
             await monitor.recv_multipart()
             logger.error("lost the head at %s:%d; stopping this node", self.parallel.data_parallel_address,
