@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from ipc.kv_transfer_params import KVTransferParams
 from ipc.messages import Finished, KVTransferStats, SamplingParams, StepOutputs
 
 from .kv_transfer import protocol as wire
@@ -69,7 +70,7 @@ class KVConnector:
 
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, request_id: int, prompt: list[int], params: SamplingParams,
-                    kv: wire.KVTransferParams, multimodal=None) -> Request:
+                    kv: KVTransferParams, multimodal=None) -> Request:
         """Admit a request that carries kv_transfer_params (RequestError → refused with 400).
         `multimodal`: its images (engine/v41/vision/inputs.py), checked by the engine."""
         if kv.do_remote_prefill:

@@ -16,7 +16,7 @@ from typing import Annotated, Literal, Union
 
 from msgspec import Meta, Struct
 
-from engine.kv_transfer.protocol import KVTransferParams  # msgspec only: no torch, no NIXL
+from ipc.kv_transfer_params import KVTransferParams
 
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ipc.kv_transfer_params import GROUPS, KVTransferParams
 from ipc.messages import Finished, SamplingParams, TokenDelta
 
 from . import protocol as wire
@@ -51,7 +52,7 @@ class LoadFailed(Exception):
 @dataclass(eq=False)
 class _Load:
     req: object  # engine.request.Request
-    kv: wire.KVTransferParams
+    kv: KVTransferParams
     plan: TransferPlan
     arrived: float
     renew_every: float
@@ -80,7 +81,7 @@ class DecodeSide:
         self._next_idle_check = 0.0
 
     # ---- admission ----------------------------------------------------------------------------
-    def add(self, request_id: int, prompt: list[int], params: SamplingParams, kv: wire.KVTransferParams,
+    def add(self, request_id: int, prompt: list[int], params: SamplingParams, kv: KVTransferParams,
             multimodal=None):
         """Validate a remote-prefilled request against this engine's own prompt and layout, and
         queue its load. RequestError (→ 400) for anything that does not add up. `multimodal`:
@@ -111,7 +112,7 @@ class DecodeSide:
         return load.req
 
     def _check_request(self, request_id: int, prompt: list[int], params: SamplingParams,
-                       kv: wire.KVTransferParams) -> None:
+                       kv: KVTransferParams) -> None:
         from engine.request import RequestError
 
         if request_id in self.loads or request_id in self.scheduler.requests:
@@ -129,7 +130,7 @@ class DecodeSide:
                 raise RequestError("kv_transfer_params: the prefill did not compute the first token's logprobs "
                                    f"(top {params.logprobs} asked for); send logprobs on the prefill leg too")
 
-    def _connect(self, kv: wire.KVTransferParams) -> None:
+    def _connect(self, kv: KVTransferParams) -> None:
         peer, transport = kv.remote_engine_id, self.ctx.transport
         self._peer_used[peer] = time.monotonic()
         if peer in self._handshakes or transport.is_connected(peer):
@@ -230,7 +231,7 @@ class DecodeSide:
         """Post the READ of exactly the planned spans, from the prefill's blocks into ours."""
         kv, plan = load.kv, load.plan
         local = spans(plan, plan_block_ids(load.seq.table, plan.blocks))
-        remote = spans(plan, {g: kv.group_blocks(g)[0] for g in wire.GROUPS})
+        remote = spans(plan, {g: kv.group_blocks(g)[0] for g in GROUPS})
         items = [(pool, lo[1], ro[1], lo[2], lo[3]) for pool in local for lo, ro in zip(local[pool], remote[pool])]
         notify = wire.encode_notification(wire.KVDone([load.lease]))
         load.read_started = time.monotonic()
@@ -246,7 +247,7 @@ class DecodeSide:
         t = load.transfer
         verify_start = time.monotonic()
         got = group_digests(ctx.cache, load.plan, plan_block_ids(load.seq.table, load.plan.blocks))
-        bad = [f"{g} block #{i}" for g in wire.GROUPS
+        bad = [f"{g} block #{i}" for g in GROUPS
                for i, (have, want) in enumerate(zip(got[g], kv.group_blocks(g)[1])) if have != want]
         if bad:
             raise LoadFailed(f"{len(bad)} transferred block(s) fail their digest ({', '.join(bad[:4])}): the KV "

@@ -16,7 +16,9 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from .protocol import GROUPS, expected_blocks
+from ipc.kv_transfer_params import GROUPS
+
+from .protocol import expected_blocks
 
 if TYPE_CHECKING:
     import torch

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from msgspec.structs import replace
 
+from ipc.kv_transfer_params import GROUPS, KVTransferParams
 from ipc.messages import Finished, SamplingParams
 
 from . import protocol as wire
@@ -35,7 +36,7 @@ class PrefillSide:
         self.ctx = ctx
         self.leases = LeaseTable(max_hold_s=ctx.config.max_hold_s)
         self.remote_decode: set[int] = set()  # request ids to hold when they finish
-        self._held: dict[int, wire.KVTransferParams] = {}  # held this step, not yet attached
+        self._held: dict[int, KVTransferParams] = {}  # held this step, not yet attached
         self._next_prune = time.monotonic() + _PRUNE_EVERY_S
 
     @staticmethod
@@ -54,7 +55,7 @@ class PrefillSide:
             if out is not None and out.error is None and out.accepted:
                 self._held[req.request_id] = self._hold(req, out)
 
-    def _hold(self, req: "Request", out: "RequestStepOutput") -> wire.KVTransferParams:
+    def _hold(self, req: "Request", out: "RequestStepOutput") -> KVTransferParams:
         ctx, n = self.ctx, req.num_prompt_tokens
         plan = ctx.plan(n)
         ids = plan_block_ids(req.seq.table, plan.blocks)
@@ -65,11 +66,11 @@ class PrefillSide:
         self.leases.hold(lease_id, (ids["full"], ids["sliding"]), ctx.config.lease_s)
         ctx.counters.held += 1
         top = out.top_logprobs[0] if out.top_logprobs else None
-        params = wire.KVTransferParams(
-            do_remote_prefill=True, remote_engine_id=ctx.name, remote_block_ids=[ids[g] for g in wire.GROUPS],
+        params = KVTransferParams(
+            do_remote_prefill=True, remote_engine_id=ctx.name, remote_block_ids=[ids[g] for g in GROUPS],
             remote_host=ctx.host, remote_port=ctx.port, remote_request_id=lease_id,
             remote_blocks_expiry_time=wall_expiry(self.leases.remaining(lease_id)), remote_num_tokens=n,
-            remote_sliding_first=plan.blocks["sliding"][0], block_digests=[digests[g] for g in wire.GROUPS],
+            remote_sliding_first=plan.blocks["sliding"][0], block_digests=[digests[g] for g in GROUPS],
             compat_hash=ctx.compat, remote_first_token=out.accepted[0],
             remote_first_logprob=out.logprobs[0] if out.logprobs else None,
             remote_first_top_logprobs=[(int(t), float(v)) for t, v in top] if top is not None else None,

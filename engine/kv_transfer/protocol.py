@@ -1,10 +1,9 @@
 """Wire types of PD transfer, as msgspec Structs validated on decode (nothing that decodes to code, no torch).
 
 Two vocabularies:
-  * `KVTransferParams`: the `kv_transfer_params` JSON object of the two-leg HTTP protocol (vLLM's
-    field names where the meaning is the same). Leg 1, proxy → prefill: `do_remote_decode`.
-    The prefill answers with `do_remote_prefill` and where its blocks are; leg 2 carries that
-    object, through the proxy, to the decode server.
+  * `KVTransferParams` (the `kv_transfer_params` JSON object of the two-leg HTTP protocol; its
+    type is a wire type, `ipc/kv_transfer_params.py`): parsed, signed and checked against this
+    engine's layout here.
   * notifications between the two engines over NIXL: `KVRenew` (decode heartbeats while it waits
     to READ) and `KVDone` (decode read the blocks, or gave up: the prefill frees them); and the
     transport's own handshake (`Hello`, `HelloReply`, `Bye`), framed with a magic prefix that
@@ -23,38 +22,26 @@ from __future__ import annotations
 import array
 import hashlib
 import hmac
-import math
 import sys
 from typing import Annotated, Any, Literal, Union
 
 import msgspec
 from msgspec import Meta, Struct
 
-GROUPS = ("full", "sliding")  # order of the per-group lists in KVTransferParams
-DIGEST_ALG = "crc32c"
-MAX_BLOCKS_PER_GROUP = 1 << 16  # 16 M tokens at block size 256
-MAX_TOKENS = 1 << 24
+from ipc.kv_transfer_params import GROUPS, NAME_PATTERN, HexHash, KVTransferParams, TransferId
+
+__all__ = ["GROUPS"]  # plan.py's import of the group order (ipc/kv_transfer_params.py defines it)
+
 MAX_IDS_PER_NOTIFICATION = 1024
 MAX_REGIONS = 256
 MAX_TENSORS_PER_REGION = 1024
 MAX_DESCRIPTORS = 1 << 26  # bounds what a peer's geometry can make us prepare
 MAX_NOTIFICATION_BYTES = 1 << 20
-MAX_TOP_LOGPROBS = 20
 HANDSHAKE_MAGIC = b"\xc1RSKV"  # 0xc1 is never used by msgpack: app notifications cannot collide
 HANDSHAKE_VERSION = 1
 
-NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@-]*$"  # engine ids, request ids, region names
-EngineId = Annotated[str, Meta(min_length=1, max_length=128, pattern=NAME_PATTERN)]
-TransferId = Annotated[str, Meta(min_length=1, max_length=128, pattern=NAME_PATTERN)]
-Host = Annotated[str, Meta(min_length=1, max_length=255, pattern=r"^[A-Za-z0-9.:\[\]-]+$")]
-Port = Annotated[int, Meta(ge=1, le=65535)]
-BlockId = Annotated[int, Meta(ge=1, le=2**31 - 1)]  # block 0 is every pool's dummy block
-Digest = Annotated[int, Meta(ge=0, le=2**32 - 1)]
-HexHash = Annotated[str, Meta(pattern=r"^[0-9a-f]{64}$")]
 Nonce = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 Reason = Annotated[str, Meta(max_length=512)]
-BlockList = Annotated[list[BlockId], Meta(max_length=MAX_BLOCKS_PER_GROUP)]
-DigestList = Annotated[list[Digest], Meta(max_length=MAX_BLOCKS_PER_GROUP)]
 IdList = Annotated[list[TransferId], Meta(min_length=1, max_length=MAX_IDS_PER_NOTIFICATION)]
 
 
@@ -63,65 +50,6 @@ class ProtocolError(ValueError):
 
 
 # ---- kv_transfer_params ---------------------------------------------------------------------
-class KVTransferParams(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
-    """`kv_transfer_params` of either leg. The remote_* fields stay None on leg 1 (vLLM's toy
-    proxy sends them as null); on leg 2 they are all required."""
-
-    do_remote_decode: bool = False
-    do_remote_prefill: bool = False
-    remote_engine_id: EngineId | None = None  # the prefill's NIXL agent name
-    remote_block_ids: Annotated[list[BlockList], Meta(max_length=len(GROUPS))] | None = None  # per GROUPS
-    remote_host: Host | None = None  # the prefill's NIXL metadata listener
-    remote_port: Port | None = None
-    remote_request_id: TransferId | None = None  # the prefill's lease key
-    remote_blocks_expiry_time: Annotated[float, Meta(ge=0.0)] | None = None  # unix seconds
-    tp_size: Annotated[int, Meta(ge=1, le=1)] = 1  # ringserve ranks are TP 1
-    # ringserve's own fields
-    remote_num_tokens: Annotated[int, Meta(ge=1, le=MAX_TOKENS)] | None = None  # prompt tokens held
-    remote_sliding_first: Annotated[int, Meta(ge=0, le=MAX_TOKENS)] | None = None  # logical block of sliding[0]
-    block_digests: Annotated[list[DigestList], Meta(max_length=len(GROUPS))] | None = None
-    # The token the prefill sampled from the prompt's last position (the decode emits it as the
-    # first output token, once the KV it belongs to is verified), and its logprobs if asked for.
-    remote_first_token: Annotated[int, Meta(ge=0, le=2**31 - 1)] | None = None
-    remote_first_logprob: float | None = None
-    remote_first_top_logprobs: Annotated[list[tuple[Annotated[int, Meta(ge=0, le=2**31 - 1)], float]],
-                                         Meta(max_length=MAX_TOP_LOGPROBS)] | None = None
-    remote_prompt_hash: HexHash | None = None  # prompt_hash() of the token ids the prefill computed
-    digest_alg: Literal["crc32c"] = DIGEST_ALG
-    compat_hash: HexHash | None = None
-    params_mac: HexHash | None = None
-
-    def __post_init__(self) -> None:
-        if self.do_remote_decode and self.do_remote_prefill:
-            raise ValueError("do_remote_decode and do_remote_prefill are exclusive")
-        leg2 = ("remote_engine_id", "remote_block_ids", "remote_host", "remote_port", "remote_request_id",
-                "remote_blocks_expiry_time", "remote_num_tokens", "remote_sliding_first", "block_digests",
-                "compat_hash", "remote_first_token", "remote_prompt_hash")
-        optional = ("remote_first_logprob", "remote_first_top_logprobs")
-        if not self.do_remote_prefill:
-            given = [f for f in leg2 + optional if getattr(self, f) is not None]
-            if given:  # leg 1 / plain requests: a client never supplies where blocks are
-                raise ValueError(f"{given[0]} is only valid with do_remote_prefill")
-            return
-        missing = [f for f in leg2 if getattr(self, f) is None]
-        if missing:
-            raise ValueError(f"do_remote_prefill needs {missing[0]}")
-        if len(self.remote_block_ids) != len(GROUPS) or len(self.block_digests) != len(GROUPS):
-            raise ValueError(f"remote_block_ids and block_digests need one list per group {GROUPS}")
-        for group, ids, digests in zip(GROUPS, self.remote_block_ids, self.block_digests):
-            if len(ids) != len(digests):
-                raise ValueError(f"group {group}: {len(ids)} block ids but {len(digests)} digests")
-            if len(set(ids)) != len(ids):
-                raise ValueError(f"group {group}: duplicate block ids")
-        if not math.isfinite(self.remote_blocks_expiry_time):
-            raise ValueError("remote_blocks_expiry_time must be finite")
-
-    def group_blocks(self, group: str) -> tuple[list[int], list[int]]:
-        """(remote block ids, digests) of one group."""
-        i = GROUPS.index(group)
-        return self.remote_block_ids[i], self.block_digests[i]
-
-
 def parse_params(obj: Any) -> KVTransferParams:
     """The request body's `kv_transfer_params` (already JSON-decoded), validated; ProtocolError
     naming the field otherwise."""

@@ -22,10 +22,9 @@ import msgspec
 import zmq
 from msgspec import Meta, Struct
 
+from ipc.kv_transfer_params import EngineId
 from server import cluster_auth
 from server.channel_guard import DropLog, HandshakeMonitor
-
-from .protocol import EngineId
 
 MAX_METADATA_BYTES = 16 << 20
 _MAX_MESSAGE_BYTES = MAX_METADATA_BYTES + 1024

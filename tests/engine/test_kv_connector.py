@@ -20,17 +20,17 @@ from engine.config import EngineConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.kv_connector import attach_connector  # noqa: E402
 from engine.kv_layout import build_layout  # noqa: E402
-from engine.kv_transfer import protocol  # noqa: E402
 from engine.kv_transfer.config import KVTransferConfig  # noqa: E402
 from engine.kv_transfer.plan import make_plan  # noqa: E402
 from engine.request import RequestError  # noqa: E402
 from engine.weights import load_model  # noqa: E402
+from ipc.kv_transfer_params import KVTransferParams  # noqa: E402
 from ipc.messages import Finished, SamplingParams  # noqa: E402
 from pd_engines import collect, poison_pools, ucx_environment  # noqa: E402
 
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=32, kv_cache_memory_bytes=4 << 20, block_size=16)
 GREEDY = SamplingParams(max_tokens=4, ignore_eos=True, logprobs=2)
-LEG1 = protocol.KVTransferParams(do_remote_decode=True)
+LEG1 = KVTransferParams(do_remote_decode=True)
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +86,7 @@ def _settle(pre: Engine, dec: Engine, done, timeout_s: float = 20.0) -> None:
         dec.step()
 
 
-def _prefill(pre: Engine, dec: Engine, rid: int, prompt: list[int], params=GREEDY) -> protocol.KVTransferParams:
+def _prefill(pre: Engine, dec: Engine, rid: int, prompt: list[int], params=GREEDY) -> KVTransferParams:
     pre.add_request(rid, prompt, params, LEG1)
     _, _, done = collect(pre, (dec,), rid)
     assert done.reason in ("length", "stop") and done.kv_transfer_params is not None, done
@@ -190,7 +190,7 @@ def test_first_token_that_ends_the_request_is_emitted_and_frees_everything(engin
 
 
 # ---- faults ----------------------------------------------------------------------------------
-def _flip(pre: Engine, kv: protocol.KVTransferParams, pool: str, in_plan: bool) -> None:
+def _flip(pre: Engine, kv: KVTransferParams, pool: str, in_plan: bool) -> None:
     """Flip one bit of the prefill's held block: inside the planned bytes, or just past them."""
     plan = make_plan(pre.cache.layout, kv.remote_num_tokens)
     r = plan.range(pool)

@@ -25,6 +25,7 @@ import kv_transfer_peer  # noqa: E402
 from engine.kv_transfer import digest, protocol  # noqa: E402
 from engine.kv_transfer.nixl_transport import (IncompatiblePeer, KVTransport, PeerUnavailable,  # noqa: E402
                                                TransferFailed, unique_name)
+from ipc.kv_transfer_params import GROUPS, KVTransferParams  # noqa: E402
 from kv_transfer_peer import fill_regions  # noqa: E402
 from pd_engines import UCX_ENV  # noqa: E402
 from process_state import stop_process  # noqa: E402
@@ -358,13 +359,13 @@ def test_pd_handoff_between_two_kv_caches():
         hand = kv_pools.handoff_blocks(seq.table, n, bs, keep)
         leases = LeaseTable()
         leases.hold("req-1", seq, ttl_s=30.0)
-        params = protocol.sign(protocol.KVTransferParams(
+        params = protocol.sign(KVTransferParams(
             do_remote_prefill=True, remote_engine_id=prefill.name, remote_host="127.0.0.1",
             remote_port=prefill.listen_port, remote_request_id="req-1",
             remote_blocks_expiry_time=time.time() + leases.remaining("req-1"), remote_num_tokens=n,
-            remote_sliding_first=hand["sliding"][0], remote_block_ids=[hand[gr][1] for gr in protocol.GROUPS],
+            remote_sliding_first=hand["sliding"][0], remote_block_ids=[hand[gr][1] for gr in GROUPS],
             block_digests=[digest.block_digests(kv_pools.group_tensors(p_cache, gr), hand[gr][1])
-                           for gr in protocol.GROUPS],
+                           for gr in GROUPS],
             compat_hash=prefill.layout_digest(), remote_first_token=5,
             remote_prompt_hash=protocol.prompt_hash(prompt)), key)
         body = json.dumps({"kv_transfer_params": protocol.params_to_json(params)})
@@ -384,10 +385,10 @@ def test_pd_handoff_between_two_kv_caches():
             prefill.pump()  # the prefill's engine loop
             time.sleep(0.002)
         groups = kv_pools.group_regions(layout)
-        items = [(r, got.group_blocks(gr)[0], local[gr]) for gr in protocol.GROUPS for r in groups[gr]]
+        items = [(r, got.group_blocks(gr)[0], local[gr]) for gr in GROUPS for r in groups[gr]]
         done = protocol.encode_notification(protocol.KVDone([got.remote_request_id]))
         decode.read_many(got.remote_engine_id, items, notify=done).wait(10)
-        for gr in protocol.GROUPS:
+        for gr in GROUPS:
             digest.verify(kv_pools.group_tensors(d_cache, gr), local[gr], got.group_blocks(gr)[1])
             for pt, dt in zip(kv_pools.group_tensors(p_cache, gr), kv_pools.group_tensors(d_cache, gr)):
                 assert torch.equal(dt[local[gr]], pt[hand[gr][1]])

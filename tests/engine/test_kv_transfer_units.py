@@ -21,7 +21,8 @@ from engine.kv_cache import KVCache
 from engine.kv_layout import build_layout
 from engine.kv_transfer import digest, kv_pools, protocol
 from engine.kv_transfer.lease import LeaseTable
-from engine.kv_transfer.protocol import KVTransferParams, ProtocolError
+from engine.kv_transfer.protocol import ProtocolError
+from ipc.kv_transfer_params import MAX_BLOCKS_PER_GROUP, KVTransferParams
 
 HASH = "ab" * 32
 PROMPT = list(range(3, 43))  # 40 tokens
@@ -67,7 +68,7 @@ def test_malformed_params_are_refused(bad):
     ("remote_block_ids", [[-1, 1, 2], [7, 3]]),
     ("remote_block_ids", [[4, 4, 2], [7, 3]]),  # duplicate
     ("remote_block_ids", [[4, 9, 2]]),  # one group missing
-    ("remote_block_ids", [list(range(1, protocol.MAX_BLOCKS_PER_GROUP + 2)), [7, 3]]),
+    ("remote_block_ids", [list(range(1, MAX_BLOCKS_PER_GROUP + 2)), [7, 3]]),
     ("block_digests", [[1, 2], [4, 5]]),  # not aligned with the ids
     ("block_digests", [[1, 2, 2**32], [4, 5]]),
     ("remote_port", 70000), ("remote_port", "5600"), ("remote_host", "a b"), ("remote_host", ""),

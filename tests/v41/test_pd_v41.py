@@ -24,10 +24,10 @@ pytest.importorskip("nixl_cu12", reason="nixl-cu12 is not installed")
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.kv_connector import attach_connector  # noqa: E402
-from engine.kv_transfer import protocol  # noqa: E402
 from engine.kv_transfer.config import KVTransferConfig  # noqa: E402
 from engine.kv_transfer.plan import make_plan  # noqa: E402
 from engine.v41.checkpoint import write_v41_checkpoint  # noqa: E402
+from ipc.kv_transfer_params import KVTransferParams  # noqa: E402
 from ipc.messages import SamplingParams  # noqa: E402
 from pd_engines import UCX_ENV, collect, poison_pools, ucx_environment, wait_for_leases  # noqa: E402
 from tests.v41.engine_helpers import load, run_engine  # noqa: E402
@@ -37,7 +37,7 @@ MAX_TOKENS = 4
 PARAMS = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=512, num_kv_blocks=96, block_size=B, speculative_tokens=0,
               adaptive_speculation=False, max_model_len=512)
-LEG1 = protocol.KVTransferParams(do_remote_decode=True)
+LEG1 = KVTransferParams(do_remote_decode=True)
 # Around the window (8), the block (16), the receptive field (63: replay from 0 up to n = 78)
 # and beyond it (the replay starts at 16, 32 and 64).
 LENGTHS = [1, 8, 9, 17, 63, 79, 80, 97, 130]
