@@ -189,7 +189,7 @@ def make_model(out_dir: Path, seed: int = 0, geometry: str = "small6") -> Path:
 
     sys.path.insert(0, str(REPO))
     from engine.checkpoint import preset_config, random_state, write_checkpoint
-    from server.make_tokenizer import write_tokenizer
+    from tokenization.synthetic_bpe import write_tokenizer
 
     if geometry not in GEOMETRIES:
         raise PeerBuildError(f"unknown geometry {geometry!r}; choose from {', '.join(GEOMETRIES)}")

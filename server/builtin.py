@@ -47,7 +47,7 @@ def make_model_dir(out_dir: str | Path, preset: str, seed: int = 0, layout: str 
     import torch
 
     from engine.checkpoint import preset_config, random_state, write_checkpoint
-    from server.make_tokenizer import write_tokenizer
+    from tokenization.synthetic_bpe import write_tokenizer
 
     cfg = preset_config(preset, **overrides)
     torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]

@@ -1,6 +1,6 @@
 """A byte-level BPE tokenizer trained on the corpus, in the form the server expects.
 
-Same conventions as server/make_tokenizer.py (the random models' tokenizer): ids 0..6 are the
+Same conventions as tokenization/synthetic_bpe.py (the random models' tokenizer): ids 0..6 are the
 special tokens in `SPECIAL_TOKENS` order (bos 0, eos 1, pad 2, User, Assistant, and the think
 tags, which are not `special` so they survive decoding), the same pre-tokenizer (digit runs of
 at most three, CJK runs, a GPT-style word split, then the byte-level map), a bos-prefixing post
@@ -17,16 +17,16 @@ from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from server.make_tokenizer import (
+from tokenization.synthetic_bpe import (
     BOS_TOKEN, CHAT_TEMPLATE, EOS_TOKEN, MODEL_MAX_LENGTH, PAD_TOKEN, SPECIAL_TOKENS,
 )
 # The random models' pre-tokenizer itself, so the two tokenizers can never split text differently.
-from server.make_tokenizer import _build_pre_tokenizer
+from tokenization.synthetic_bpe import build_pre_tokenizer
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     """BPE over `texts` with at most `vocab_size` ids (fewer when the corpus runs out of merges)."""
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = _build_pre_tokenizer()
+    tok.pre_tokenizer = build_pre_tokenizer()
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, show_progress=False,
                                   special_tokens=[content for content, _ in SPECIAL_TOKENS],

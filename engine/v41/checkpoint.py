@@ -246,7 +246,7 @@ def write_v41_checkpoint(out_dir: str | Path, preset: str, seed: int = 0, quanti
                          vision: bool | VisionConfig = False, **overrides: Any) -> Path:
     """config.json, generation_config.json, tokenizer, engram_token_map.json and the tensors.
     `vision`: True for the preset's tower (VISION_PRESETS), or a VisionConfig."""
-    from server.make_tokenizer import write_tokenizer
+    from tokenization.synthetic_bpe import write_tokenizer
 
     from .engram import build_token_map, write_token_map
 

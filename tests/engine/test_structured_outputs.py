@@ -36,7 +36,7 @@ from tests.structured_schemas import SCHEMAS  # noqa: E402
 
 @pytest.fixture(scope="module")
 def model_dir(checkpoint_factory):
-    from server.make_tokenizer import write_tokenizer
+    from tokenization.synthetic_bpe import write_tokenizer
 
     path = checkpoint_factory("tiny-structured", index_topk=64)
     if not (path / "tokenizer.json").exists():

@@ -78,7 +78,7 @@ def test_grammar_masks_add_no_host_read(fake_device, checkpoint_factory, monkeyp
     makes one results copy, and its decode steps still replay graphs. (The host reads back
     placeholder tokens here, which no grammar follows: the matcher takes them as given.)"""
     pytest.importorskip("xgrammar")
-    from server.make_tokenizer import write_tokenizer
+    from tokenization.synthetic_bpe import write_tokenizer
 
     from engine.structured import RequestGrammar
     from ipc.messages import StructuredOutput

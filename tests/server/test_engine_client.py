@@ -22,7 +22,7 @@ from server.engine_client import EngineClient
 
 @pytest.fixture(scope="module")
 def model_dir(checkpoint_factory):
-    from server.make_tokenizer import write_tokenizer
+    from tokenization.synthetic_bpe import write_tokenizer
 
     path = checkpoint_factory("tiny-upstream", index_topk=64)
     if not (path / "tokenizer.json").exists():

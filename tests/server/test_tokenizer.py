@@ -1,4 +1,4 @@
-"""Tests for server.make_tokenizer and server.tokenizer (CPU only, ~10-20 s)."""
+"""Tests for tokenization.synthetic_bpe and server.tokenizer (CPU only, ~10-20 s)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jinja2.exceptions import SecurityError
 
-from server.make_tokenizer import (
+from tokenization.synthetic_bpe import (
     ASSISTANT_TOKEN,
     BOS_TOKEN,
     END_THINK_TOKEN,
@@ -111,7 +111,7 @@ def test_write_is_deterministic_and_pinned(tmp_path: Path) -> None:
 
 def test_write_is_independent_of_hash_seed(tmp_path: Path) -> None:
     write_tokenizer(tmp_path / "here", 2048)
-    code = "import sys; from server.make_tokenizer import write_tokenizer; write_tokenizer(sys.argv[1], 2048)"
+    code = "import sys; from tokenization.synthetic_bpe import write_tokenizer; write_tokenizer(sys.argv[1], 2048)"
     env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": str(REPO_ROOT)}
     subprocess.run([sys.executable, "-c", code, str(tmp_path / "there")], check=True, env=env, cwd=REPO_ROOT)
     assert _digests(tmp_path / "here") == _digests(tmp_path / "there")
