@@ -56,13 +56,10 @@ class Scheduler:
 
     # ---- admission -------------------------------------------------------------------------
     def add(self, req: Request) -> None:
-        limit = self.config.max_model_len
-        if not req.prompt_token_ids:
-            raise RequestError("the prompt is empty")
-        if req.num_prompt_tokens + req.params.max_tokens > limit:
-            raise RequestError(
-                f"prompt ({req.num_prompt_tokens} tokens) plus max_tokens ({req.params.max_tokens}) exceeds the "
-                f"model's context length ({limit} tokens)")
+        # Every entry point ran the edge validator (ipc/prompt_checks.py): a prompt that does not
+        # fit here is a bug, not bad input.
+        assert req.prompt_token_ids and req.num_prompt_tokens + req.params.max_tokens <= self.config.max_model_len, \
+            f"request {req.request_id} was not validated: {req.num_prompt_tokens} + {req.params.max_tokens} tokens"
         if req.request_id in self.requests:
             raise RequestError(f"duplicate request id {req.request_id!r}")
         self.requests[req.request_id] = req
