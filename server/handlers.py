@@ -25,6 +25,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from msgspec.structs import replace
 
 from ipc.messages import PromptLogprobs
+from ipc.prompt_checks import ContextExceeded, TokenOutsideVocabulary, check_context, check_token_ids
 
 from . import offload
 from .chat import ContentDelta, ReasoningDelta, ToolCallArgumentsDelta, ToolCallStart
@@ -88,11 +89,11 @@ async def _completion_prompts(state: AppState, req: GenerationRequest) -> list[l
     out = []
     for p in req.prompts:
         ids = await offload.encode(state.tokenizer, p) if isinstance(p, str) else p  # large ones off the loop
-        vocab = state.vocab_size
-        bad = next((t for t in ids if t >= vocab), None)
-        if bad is not None:
-            raise ProtocolError(f"token id {bad} in 'prompt' is outside the vocabulary [0, {vocab})", "prompt",
-                                "invalid_value")
+        try:
+            check_token_ids(ids, state.vocab_size)
+        except TokenOutsideVocabulary as exc:
+            raise ProtocolError(f"token id {exc.token_id} in 'prompt' is outside the vocabulary [0, {exc.vocab_size})",
+                                "prompt", "invalid_value") from None
         out.append(ids)
     return out
 
@@ -193,19 +194,28 @@ def session_of(request: web.Request, user: str | None) -> str | None:
 
 
 def _fit_context(state: AppState, req: GenerationRequest, prompts: list[list[int]]) -> None:
+    """400 (OpenAI's context_length_exceeded) unless every prompt leaves room for one token and,
+    when the request sets it, for max_tokens; without it, max_tokens becomes the rest."""
     limit = state.max_model_len
-    param = "max_completion_tokens" if req.chat is not None else "max_tokens"
-    for ids in prompts:
-        if len(ids) >= limit:
-            raise ProtocolError(f"the prompt has {len(ids)} tokens; the model's context length is {limit} tokens",
-                                "messages" if req.chat is not None else "prompt", "context_length_exceeded")
-        if req.max_tokens_given and len(ids) + req.params.max_tokens > limit:
-            raise ProtocolError(
-                f"this model's maximum context length is {limit} tokens, but the request asks for "
-                f"{len(ids) + req.params.max_tokens} tokens ({len(ids)} in the prompt plus {req.params.max_tokens} "
-                f"for the completion)", param, "context_length_exceeded")
+    try:
+        for ids in prompts:
+            check_context(len(ids), None, limit)
+            if req.max_tokens_given:
+                check_context(len(ids), req.params.max_tokens, limit)
+    except ContextExceeded as exc:
+        raise _context_error(exc, req) from None
     if not req.max_tokens_given:  # default: the rest of the context
         req.params = checked(replace(req.params, max_tokens=limit - max(map(len, prompts))))
+
+
+def _context_error(exc: ContextExceeded, req: GenerationRequest) -> ProtocolError:
+    if exc.max_tokens is None:  # the prompt alone fills the context
+        return ProtocolError(str(exc), "messages" if req.chat is not None else "prompt", "context_length_exceeded")
+    total = exc.prompt_tokens + exc.max_tokens
+    return ProtocolError(
+        f"this model's maximum context length is {exc.max_model_len} tokens, but the request asks for {total} "
+        f"tokens ({exc.prompt_tokens} in the prompt plus {exc.max_tokens} for the completion)",
+        "max_completion_tokens" if req.chat is not None else "max_tokens", "context_length_exceeded")
 
 
 # ---- the endpoints -----------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from engine.config import EngineConfig, ParallelConfig
 from ipc.codec import InvalidField, check
 from ipc.loop import new_event_loop
 from ipc.messages import SamplingParams
+from ipc.prompt_checks import ContextExceeded, EmptyPrompt, PromptRefused, check_prompt
 
 from .engine_client import EngineClient
 from .image_prompts import ImagePrompts, images_of
@@ -196,11 +197,12 @@ def validate_request(vocab_size: int, max_model_len: int, prompt_token_ids: list
         check(params)
     except InvalidField as exc:
         raise ValueError(f"prompt {index}: {exc.field}: {exc.reason}") from None
-    if not prompt_token_ids:
-        raise ValueError(f"prompt {index} is empty")
-    bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise ValueError(f"prompt {index}: token id {bad} is outside the vocabulary [0, {vocab_size})")
-    if len(prompt_token_ids) + params.max_tokens > max_model_len:
-        raise ValueError(f"prompt {index}: {len(prompt_token_ids)} prompt tokens plus max_tokens "
-                         f"{params.max_tokens} exceed the model's context length ({max_model_len} tokens)")
+    try:
+        check_prompt(prompt_token_ids, params.max_tokens, vocab_size=vocab_size, max_model_len=max_model_len)
+    except EmptyPrompt:
+        raise ValueError(f"prompt {index} is empty") from None
+    except ContextExceeded as exc:
+        raise ValueError(f"prompt {index}: {exc.prompt_tokens} prompt tokens plus max_tokens {exc.max_tokens} "
+                         f"exceed the model's context length ({exc.max_model_len} tokens)") from None
+    except PromptRefused as exc:  # a token id outside the vocabulary
+        raise ValueError(f"prompt {index}: {exc}") from None

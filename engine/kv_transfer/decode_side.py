@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from ipc.kv_transfer_params import GROUPS, KVTransferParams
 from ipc.messages import Finished, SamplingParams, TokenDelta
+from ipc.prompt_checks import TokenOutsideVocabulary, check_token_ids
 
 from . import protocol as wire
 from .context import ConnectorContext, group_digests, log, spans
@@ -115,15 +116,15 @@ class DecodeSide:
                        kv: KVTransferParams) -> None:
         from engine.request import RequestError
 
+        # The prompt itself passed the edge validator at Engine.add_request (context fit, token ids);
+        # the first token is the one id that comes from the prefill.
         if request_id in self.loads or request_id in self.scheduler.requests:
             raise RequestError(f"duplicate request id {request_id!r}")
-        limit = self.scheduler.config.max_model_len
-        if len(prompt) + params.max_tokens > limit:
-            raise RequestError(f"prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
-                               f"model's context length ({limit} tokens)")
-        if kv.remote_first_token >= self.vocab_size:
-            raise RequestError(f"kv_transfer_params: remote_first_token {kv.remote_first_token} is outside the "
-                               f"vocabulary [0, {self.vocab_size})")
+        try:
+            check_token_ids([kv.remote_first_token], self.vocab_size)
+        except TokenOutsideVocabulary as exc:
+            raise RequestError(f"kv_transfer_params: remote_first_token {exc.token_id} is outside the "
+                               f"vocabulary [0, {exc.vocab_size})") from None
         if params.logprobs is not None:
             top = kv.remote_first_top_logprobs or []
             if kv.remote_first_logprob is None or len(top) < params.logprobs:
