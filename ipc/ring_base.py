@@ -176,7 +176,11 @@ class RingEndpoint:
                     return
                 wait_s = min((deadline_ns - time.perf_counter_ns()) / 1e9, self.config.park_tick_s)
                 try:
-                    await asyncio.wait_for(event.wait(), max(wait_s, 0.0))
+                    # asyncio.timeout, not wait_for: Python 3.11's wait_for returns normally when its
+                    # wait ends in the same loop pass as a cancel of this task, swallowing the cancel
+                    # (a relay task cancelled at shutdown then parked again forever)
+                    async with asyncio.timeout(max(wait_s, 0.0)):
+                        await event.wait()
                 except TimeoutError:
                     if ready():
                         if not (event.is_set() or self._doorbell_follows()):

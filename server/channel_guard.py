@@ -135,6 +135,17 @@ class HandshakeMonitor:
         self.monitor.close(linger=0)
 
 
+async def cancel_and_wait(tasks: list[asyncio.Future]) -> None:
+    """Cancel `tasks` and wait until every one has ended. A task that swallowed its cancel (a
+    library's wait that completed in the same loop pass) is cancelled again, so a stop never
+    waits forever on a loop that went on."""
+    while pending := [t for t in tasks if not t.done()]:
+        for task in pending:
+            task.cancel()
+        await asyncio.wait(pending, timeout=1.0)
+    await asyncio.gather(*tasks, return_exceptions=True)  # retrieve their exceptions
+
+
 async def guarded(coro, on_failure, what: str) -> None:
     """Run a receive loop; if it ends by an exception (a bug: loops drop bad input themselves),
     log the cause and hand it to `on_failure` — the owner takes the server down with it, never

@@ -39,6 +39,7 @@ from ipc import (Abort, Finished, Heartbeat, IpcError, RingClosed, RingConfig, R
 from ipc.messages import ImageData, Parked
 from ipc.segment import remove_orphans
 
+from .channel_guard import cancel_and_wait
 from .links import LocalLink, NodeChannel, RankLink
 from .router import DPRouter, NoRankAlive
 from .worker_entry import WorkerArgs
@@ -203,9 +204,7 @@ class EngineClient:
         if self._shut_down:
             return
         self._shut_down = True
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(self._tasks)
         self._tasks.clear()
         for r in self.ranks:
             r.link.unwatch_exit()  # the exits we ask for now are not failures

@@ -34,7 +34,7 @@ from ipc.errors import IpcError, RingClosed, RingTimeout
 from ipc.segment import remove_orphans
 
 from . import cluster_auth
-from .channel_guard import DropLog, guarded, monitor_socket
+from .channel_guard import DropLog, cancel_and_wait, guarded, monitor_socket
 from .engine_client import config_digest, request_ring, worker_device
 from .links import LocalLink
 from .node_wire import (DECODE, ENCODE, ENVELOPE_BYTES, NODE_ALIVE_S, TO_RANK, NodeAlive, NodeBye, NodeHello,
@@ -97,9 +97,7 @@ class HeadlessNode:
             tasks = [asyncio.ensure_future(guarded(coro, self._task_failed, what)) for coro, what in jobs]
             await self._stop.wait()
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await cancel_and_wait(tasks)
             await self._shutdown()
         return self.exit_code
 

@@ -30,7 +30,7 @@ import zmq.asyncio
 from ipc.errors import RingClosed
 
 from . import cluster_auth
-from .channel_guard import DropLog, HandshakeMonitor, guarded
+from .channel_guard import DropLog, HandshakeMonitor, cancel_and_wait, guarded
 from .node_wire import (DECODE, ENCODE, ENVELOPE_BYTES, FROM_RANK, MAX_HELLO_BYTES, NodeAlive, NodeBye, NodeHello,
                         NodeRefused, NodeWelcome, RankExited, RankMessage, heartbeat_socket)
 from .rank_link import CHANNELS, RankLink
@@ -56,7 +56,8 @@ class RemoteLink(RankLink):
         self.node.send_nowait(self.node_id, RankMessage(self.rank, CHANNELS.index(channel), data))
 
     async def recv(self, channel: str, timeout: float) -> bytes:
-        item = await asyncio.wait_for(self.inbox[channel].get(), timeout)
+        async with asyncio.timeout(timeout):  # not wait_for: see ipc.ring_base._park_async
+            item = await self.inbox[channel].get()
         if item is None:
             raise RingClosed(f"rank {self.rank} on a remote node has exited")
         return item
@@ -285,9 +286,7 @@ class NodeChannel:
             await asyncio.sleep(0.02)
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(self._tasks)
         self._release()
 
     def _release(self) -> None:
