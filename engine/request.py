@@ -59,9 +59,6 @@ class Request:
     seq: object | None = None
     # Prefix-cache bookkeeping (engine/prefix_cache.py RequestPrefix); None while caching is off.
     prefix: object | None = None
-    # Seeded requests draw their noise from their own generator, so a seed reproduces the same
-    # tokens whatever else shares the batch.
-    generator: torch.Generator | None = None
     # prompt_logprobs requests: scores of prompt tokens 1 … so far (filled as prefill chunks run),
     # sent with the first delta.
     prompt_scores: list[tuple[float, int, list[tuple[int, float]]]] = field(default_factory=list)
@@ -75,8 +72,6 @@ class Request:
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
-        if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,11 +1,13 @@
-"""Batched sampling: logits → the distribution each request samples from → tokens.
+"""Batched sampling on the device: logits → the distribution each row samples from → tokens.
 
-Every row is turned into a probability vector: greedy rows into a one-hot on the argmax, the
-others by penalties, temperature, top-k, top-p and min-p. Tokens are then drawn by an
-exponential race, argmax(p / E) with E ~ Exp(1), which picks token i with probability p_i. The
-noise for a seeded request comes from its own generator, so a seed gives the same tokens
-whatever else shares the batch; one-hot rows ignore the noise, so greedy stays deterministic.
-Speculative verification (engine/speculative.py) uses the same distributions.
+`SamplingRows` holds one step's per-row parameters as tensors. `probs_device` turns every row
+into a probability vector: penalties first, then greedy rows into a one-hot on the argmax, the
+others by temperature, top-k, top-p and min-p. `sample_device` draws tokens by an exponential
+race, argmax(p / E) with E ~ Exp(1), which picks token i with probability p_i; E is counter noise
+(engine/counter_rng.py) keyed by the request's seed and position, so a seed gives the same tokens
+whatever else shares the batch, and no generator state lives on a request. One-hot rows ignore
+the noise, so greedy stays deterministic. Speculative verification (engine/speculative.py) uses
+the same distributions. `logprobs_of` / `ranks_of` report on the raw distribution.
 """
 
 from __future__ import annotations
@@ -13,63 +15,6 @@ from __future__ import annotations
 import torch
 
 from ipc.messages import SamplingParams
-
-
-def to_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """[R, V] fp32 logits → [R, V] sampling distributions (one-hot for greedy rows)."""
-    probs = torch.empty_like(logits, dtype=torch.float32)
-    greedy = [i for i, p in enumerate(params) if p.greedy]
-    sampled = [i for i, p in enumerate(params) if not p.greedy]
-    if greedy:
-        idx = torch.tensor(greedy, device=logits.device)
-        probs[idx] = 0.0
-        probs[idx, logits[idx].argmax(-1)] = 1.0
-    if sampled:
-        idx = torch.tensor(sampled, device=logits.device)
-        temps = torch.tensor([params[i].temperature for i in sampled], device=logits.device)
-        p = torch.softmax(logits[idx].float() / temps[:, None], dim=-1)
-        shaping = [j for j, i in enumerate(sampled) if params[i].shapes_distribution]
-        if shaping:
-            p[shaping] = _shape([params[sampled[j]] for j in shaping], p[shaping])
-        probs[idx] = p
-    return probs
-
-
-def _shape(params: list[SamplingParams], probs: torch.Tensor) -> torch.Tensor:
-    """Apply top-k, top-p (smallest prefix reaching p; the top token always survives) and
-    min-p (drop tokens below min_p × the top probability), then renormalise."""
-    sorted_p, order = probs.sort(dim=-1, descending=True)
-    vocab = probs.shape[-1]
-    rank = torch.arange(vocab, device=probs.device)[None, :]
-    top_k = torch.tensor([p.top_k or vocab for p in params], device=probs.device)[:, None]
-    top_p = torch.tensor([p.top_p for p in params], device=probs.device)[:, None]
-    min_p = torch.tensor([p.min_p for p in params], device=probs.device)[:, None]
-    drop = (rank >= top_k) | (sorted_p.cumsum(-1) - sorted_p >= top_p) | (sorted_p < min_p * sorted_p[:, :1])
-    drop[:, 0] = False
-    sorted_p = sorted_p.masked_fill(drop, 0.0)
-    sorted_p = sorted_p / sorted_p.sum(-1, keepdim=True)
-    return torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-
-
-def exponential_noise(shape_vocab: int, generators: list[torch.Generator | None], device) -> torch.Tensor:
-    """[R, V] Exp(1) noise; rows with a generator draw from it, the rest share the global RNG."""
-    noise = torch.empty(len(generators), shape_vocab, device=device)
-    shared = [i for i, g in enumerate(generators) if g is None]
-    if shared:
-        noise[shared] = torch.empty(len(shared), shape_vocab, device=device).exponential_()
-    for i, g in enumerate(generators):
-        if g is not None:
-            noise[i] = torch.empty(shape_vocab).exponential_(generator=g).to(device)
-    return noise
-
-
-def sample(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """One token per row of [R, V] probabilities: argmax(p / E)."""
-    one_hot = probs.max(-1).values == 1.0
-    if bool(one_hot.all()):
-        return probs.argmax(-1)
-    noise = exponential_noise(probs.shape[-1], generators, probs.device)
-    return torch.where(one_hot, probs.argmax(-1), (probs / noise).argmax(-1))
 
 
 def ranks_of(logits: torch.Tensor, tokens: torch.Tensor) -> list[int]:
@@ -123,7 +68,7 @@ def _to_device(t: torch.Tensor, device) -> torch.Tensor:
 
 
 def probs_device(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
-    """[R, V] logits → [R, V] sampling distributions (to_probs' maths with per-row tensors):
+    """[R, V] logits → [R, V] sampling distributions, every row by its own parameters:
     penalties first (greedy rows too, as in vLLM), then one-hot argmax for greedy rows; else
     softmax(l / T), then top-k/top-p/min-p."""
     if rows.penalty is not None:  # OpenAI presence/frequency penalties over each row's token counts
@@ -141,7 +86,9 @@ def probs_device(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
 
 
 def shape_rows(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """`_shape` with per-row tensors (top_k 0 = off; top_p 1 and min_p 0 keep everything)."""
+    """Top-k, top-p (the smallest prefix reaching p; the top token always survives) and min-p
+    (drop tokens below min_p × the top probability) with per-row tensors [R] (top_k 0 = off;
+    top_p 1 and min_p 0 keep everything), then renormalise."""
     sorted_p, order = probs.sort(dim=-1, descending=True)
     vocab = probs.shape[-1]
     rank = torch.arange(vocab, device=probs.device)[None, :]

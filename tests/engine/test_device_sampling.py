@@ -14,11 +14,12 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.output_counts import OutputCounts
 from engine.request import Request, RequestStatus
-from engine.sampler import SamplingRows, probs_device, to_probs
-from engine.speculative import verify, verify_batch
+from engine.sampler import SamplingRows, probs_device
+from engine.speculative import verify_batch
 from engine.weights import load_model
 from ipc.messages import SamplingParams
 from tests.host_syncs import count_host_reads
+from tests.sampling_reference import to_probs, verify
 
 TRIALS = 20000
 

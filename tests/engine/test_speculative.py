@@ -1,11 +1,12 @@
-"""Speculative verification preserves the target distribution (a statistical test)."""
+"""Speculative verification preserves the target distribution (a statistical test of the host
+reference tests/sampling_reference.py `verify`, against which test_device_sampling.py checks the
+engine's `verify_batch`)."""
 
 from __future__ import annotations
 
 import torch
 
-from engine.sampler import sample
-from engine.speculative import verify
+from tests.sampling_reference import sample, verify
 
 TRIALS = 20000
 
