@@ -1,6 +1,7 @@
 """The KV connector: one engine's part in prefill/decode disaggregation (vLLM's KVConnector).
 
-It owns the engine's NIXL transport (every KV pool registered, host or device memory) and
+It owns the engine's KV transport (the one `--kv-transfer` names, kv_transfer/registry.py; every
+KV pool registered, host or device memory) and
 answers the questions vLLM's connector answers for its scheduler, at the engine's seams:
 
   * "how many tokens of this request are available remotely, and load them into its blocks"
@@ -30,6 +31,8 @@ from .kv_transfer.decode_side import DecodeSide
 from .kv_transfer.kv_pools import compat_identity, pool_regions
 from .kv_transfer.plan import replay_policy
 from .kv_transfer.prefill_side import PrefillSide
+from .kv_transfer.regions import unique_name
+from .kv_transfer.registry import open_transport
 from .request import Request, RequestError
 
 if TYPE_CHECKING:
@@ -42,8 +45,6 @@ _COMPUTE = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": 
 
 class KVConnector:
     def __init__(self, engine: "Engine", config: KVTransferConfig, rank: int = 0):
-        from .kv_transfer.nixl_transport import KVTransport, unique_name
-
         cache = engine.cache
         replay, align = replay_policy(cache.layout, getattr(engine.model.cfg, "arch", "v4"), config.replay_tokens,
                                       _receptive_field(engine))
@@ -53,7 +54,8 @@ class KVConnector:
                                           "replay_align": align, "plan": "spans/1"})
         # A prefill is reached on a known port (rank r: port + r); a decode only fetches.
         port = (config.port + rank if config.port else free_port()) if config.prefills else None
-        transport = KVTransport(unique_name(f"ringserve-{config.role}-r{rank}"), port, identity=identity)
+        transport = open_transport(config.transport, unique_name(f"ringserve-{config.role}-r{rank}"), port,
+                                   identity=identity)
         try:
             transport.register(pool_regions(cache))
         except BaseException:
@@ -66,7 +68,8 @@ class KVConnector:
         self.decode = DecodeSide(self.ctx, engine.scheduler, engine.model.cfg.vocab_size) if config.decodes else None
         self.last_stats = self._stats()
         self._stats_at = time.monotonic()
-        log.info("KV connector %s: role %s, NIXL listener %s:%s", transport.name, config.role, config.host, port)
+        log.info("KV connector %s: role %s, %s transport, side channel %s:%s", transport.name, config.role,
+                 config.transport, config.host, port)
 
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, request_id: int, prompt: list[int], params: SamplingParams,

@@ -28,7 +28,7 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 import torch  # noqa: E402
 
 from engine.kv_transfer import digest  # noqa: E402
-from engine.kv_transfer.nixl_transport import KVTransport, unique_name  # noqa: E402
+from engine.kv_transfer.nixl_transport import NixlTransport, unique_name  # noqa: E402
 from perf.machine import cpu_model  # noqa: E402
 
 
@@ -38,7 +38,7 @@ def _region(num_blocks: int, tensors: int, block_bytes: int, fill: int) -> list[
 
 def serve(conn, name: str, port: int, num_blocks: int, tensors: int, block_bytes: int) -> None:
     torch.set_num_threads(1)
-    t = KVTransport(name, port)
+    t = NixlTransport(name, port)
     t.register({"pool": _region(num_blocks, tensors, block_bytes, 7)})
     conn.send("ready")
     while not conn.poll(0.001):
@@ -79,7 +79,7 @@ def main() -> None:
             raise RuntimeError("server did not start")
         parent.recv()
         local = _region(num_blocks, args.tensors, args.block_bytes, 0)
-        t = KVTransport(unique_name("bench-decode"), None)
+        t = NixlTransport(unique_name("bench-decode"), None)
         t.register({"pool": local})
         start = time.perf_counter()
         t.connect(name, "127.0.0.1", port)

@@ -2,7 +2,8 @@
 weights (part of the KV compatibility hash), and the `/kv_transfer/stats` route.
 
 `--kv-role prefill|decode|both --kv-transfer nixl` gives every rank a KV connector
-(engine/kv_connector.py). The prefill ranks serve their NIXL metadata on the KV side channel
+(engine/kv_connector.py) over the transport `--kv-transfer` names (engine/kv_transfer/registry.py;
+NIXL today). The prefill ranks serve their transport metadata on the KV side channel
 (engine/kv_transfer/side_channel.py, keyed with the cluster key) at `--kv-transfer-host`,
 port `--kv-transfer-port` + rank (or a free port each); a decode reaches them there.
 DeepSeek-V4.1 moves only its global records (compressed KV, index keys); the decode rebuilds the
@@ -13,13 +14,13 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib.util
 import socket
 from pathlib import Path
 
 from aiohttp import web
 
-from engine.kv_transfer.config import FAILURE_POLICIES, NIXL_INSTALL, NIXL_MODULES, ROLES, TRANSPORTS, KVTransferConfig
+from engine.kv_transfer import registry
+from engine.kv_transfer.config import FAILURE_POLICIES, ROLES, KVTransferConfig
 
 from .cluster_auth import ClusterAuth
 
@@ -31,21 +32,21 @@ def add_pd_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-role", choices=ROLES, default="both",
                    help="prefill: compute prompts and hold their KV for a decode server; decode: generate from a "
                         "prefill's KV; both: colocated (default), and either side on request")
-    g.add_argument("--kv-transfer", choices=TRANSPORTS, default=None,
+    g.add_argument("--kv-transfer", choices=registry.transport_names(), default=None,
                    help="KV transport between prefill and decode servers (needed for --kv-role prefill|decode)")
     g.add_argument("--kv-load-failure-policy", choices=FAILURE_POLICIES, default="fail",
                    help="decode: when a KV transfer fails or a block fails its digest, fail the request (default) "
                         "or recompute its prompt locally")
     g.add_argument("--kv-transfer-host", default=None,
-                   help="address decode servers reach this prefill's NIXL listener at (default: --host, or this "
+                   help="address decode servers reach this prefill's KV side channel at (default: --host, or this "
                         "machine's address when --host is a wildcard)")
     g.add_argument("--kv-transfer-port", type=int, default=0,
-                   help="NIXL listener port of rank 0 (rank r: port + r); 0 = a free port per rank")
+                   help="KV side-channel port of rank 0 (rank r: port + r); 0 = a free port per rank")
     g.add_argument("--kv-lease-timeout", type=float, default=30.0,
                    help="prefill: seconds unread KV blocks stay held without a decode's renewal")
     g.add_argument("--kv-transfer-timeout", type=float, default=30.0, help="decode: seconds one KV READ may take")
     g.add_argument("--kv-connect-timeout", type=float, default=10.0,
-                   help="decode: seconds the NIXL metadata exchange and compatibility handshake with a prefill may take")
+                   help="decode: seconds the transport metadata exchange and compatibility handshake with a prefill may take")
     g.add_argument("--kv-peer-idle-timeout", type=float, default=120.0,
                    help="forget a silent KV peer (a decode that died, an unused prefill) after this many seconds")
     g.add_argument("--kv-replay-tokens", type=int, default=0,
@@ -80,14 +81,13 @@ def kv_transfer_config_from(args: argparse.Namespace, model_dir: Path | None) ->
 
 
 def check_pd_listeners(args: argparse.Namespace, kv: KVTransferConfig | None, auth: ClusterAuth) -> None:
-    """Before anything starts: NIXL is installed, and without a cluster key (nothing then
-    authenticates a PD peer) the KV side channel — it hands out this engine's NIXL metadata,
-    memory keys included — and, on a decode, the HTTP port (where unsigned kv_transfer_params
-    would be believed) are on loopback."""
+    """Before anything starts: the transport's library is installed, and without a cluster key
+    (nothing then authenticates a PD peer) the KV side channel — it hands out this engine's
+    transport metadata, memory keys included — and, on a decode, the HTTP port (where unsigned
+    kv_transfer_params would be believed) are on loopback."""
     if kv is None:
         return
-    if not any(importlib.util.find_spec(name) for name in NIXL_MODULES):
-        raise ValueError(f"--kv-transfer nixl needs NIXL, which is not installed: {NIXL_INSTALL}")
+    registry.check_installed(kv.transport)
     if kv.prefills:
         auth.check_listen(kv.host, f"the KV side channel (--kv-transfer-host {kv.host})")
     if kv.decodes:

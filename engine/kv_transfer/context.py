@@ -15,7 +15,7 @@ from .plan import TransferPlan, make_plan
 if TYPE_CHECKING:
     from engine.kv_cache import KVCache
 
-    from .nixl_transport import KVTransport
+    from .transport import KVTransport
 
 log = logging.getLogger("engine.kv_connector")
 
@@ -45,7 +45,7 @@ class ConnectorContext:
     config: KVTransferConfig
     transport: "KVTransport"
     host: str
-    port: int  # this engine's NIXL listener (advertised to decodes)
+    port: int  # this engine's KV side channel (advertised to decodes)
     key: bytes | None = None
     counters: Counters = field(default_factory=Counters)
     # Resolved replay (plan.replay_policy): 0 = V4's sliding rows cross; else positions the

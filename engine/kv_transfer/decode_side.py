@@ -4,9 +4,9 @@ its KV, verify it, and only then let it generate.
 A request with `do_remote_prefill` never enters the scheduler while its KV is remote. It waits
 here as a `_Load`, in arrival order, through:
   1. blocks  — allocate its blocks (the same logical blocks the plan names; FIFO, no preemption);
-  2. connect — one NIXL handshake per prefill engine (compatibility hash checked), shared;
+  2. connect — one transport handshake per prefill engine (compatibility hash checked), shared;
   3. read    — one READ of exactly the planned byte spans, by block index;
-  4. verify  — once NIXL reports the READ done, re-digest every block and compare.
+  4. verify  — once the transport reports the READ done, re-digest every block and compare.
 Meanwhile it renews the prefill's lease every third of its lifetime. Verified, the request
 gets its blocks, `num_computed_tokens` = the prompt (or the replay point), the prefill's first
 token appended and emitted, and joins the scheduler's queue; its next step is an ordinary
@@ -16,7 +16,7 @@ and either fails the request with the reason (`fail`) or queues it for a local p
 (`recompute`); a corrupt block is never decoded from.
 
 Blocks a READ may still write are never freed: an abandoned load whose READ is in flight is
-parked until NIXL reports it done or failed (a timed-out READ disconnects the peer first).
+parked until the transport reports it done or failed (a timed-out READ disconnects the peer first).
 """
 from __future__ import annotations
 
@@ -31,14 +31,14 @@ from ipc.prompt_checks import TokenOutsideVocabulary, check_token_ids
 from . import protocol as wire
 from .context import ConnectorContext, group_digests, log, spans
 from .kv_pools import plan_block_ids
-from .nixl_transport import TransferFailed, TransportError
 from .plan import TransferPlan
+from .transport import TransferFailed, TransportError
 
 if TYPE_CHECKING:
     from engine.kv_cache import PagedSequence
     from engine.scheduler import Scheduler
 
-    from .nixl_transport import Handshake, Transfer
+    from .transport import PendingConnect, PendingRead
 
 _MIN_RENEW_S = 0.05
 _IDLE_CHECK_S = 1.0
@@ -59,7 +59,7 @@ class _Load:
     renew_every: float
     next_renew: float
     seq: "PagedSequence | None" = None
-    transfer: "Transfer | None" = None
+    transfer: "PendingRead | None" = None
     read_started: float = 0.0
 
     @property
@@ -75,9 +75,9 @@ class DecodeSide:
     def __init__(self, ctx: ConnectorContext, scheduler: "Scheduler", vocab_size: int):
         self.ctx, self.scheduler, self.vocab_size = ctx, scheduler, vocab_size
         self.loads: dict[int, _Load] = {}  # request id → load, arrival order
-        self._handshakes: dict[str, "Handshake"] = {}
+        self._handshakes: dict[str, PendingConnect] = {}
         self._connect_started: dict[str, float] = {}
-        self._draining: list[tuple["Transfer", "PagedSequence"]] = []  # abandoned READs still in flight
+        self._draining: list[tuple[PendingRead, "PagedSequence"]] = []  # abandoned READs still in flight
         self._peer_used: dict[str, float] = {}
         self._next_idle_check = 0.0
 
@@ -326,7 +326,7 @@ class DecodeSide:
         load.seq = None
         if seq is not None:
             if t is not None and t.state == "pending":
-                self._draining.append((t, seq))  # NIXL may still write these blocks
+                self._draining.append((t, seq))  # the READ may still write these blocks
             else:
                 self.ctx.cache.free(seq)
         if t is None or t.state != "done":  # a finished READ already told the prefill (its notify)

@@ -28,9 +28,8 @@ from typing import Annotated, Any, Literal, Union
 import msgspec
 from msgspec import Meta, Struct
 
-from ipc.kv_transfer_params import GROUPS, NAME_PATTERN, HexHash, KVTransferParams, TransferId
-
-__all__ = ["GROUPS"]  # plan.py's import of the group order (ipc/kv_transfer_params.py defines it)
+from ipc.kv_transfer_params import GROUPS  # noqa: F401 - plan.py still imports the group order from here
+from ipc.kv_transfer_params import NAME_PATTERN, HexHash, KVTransferParams, TransferId
 
 MAX_IDS_PER_NOTIFICATION = 1024
 MAX_REGIONS = 256

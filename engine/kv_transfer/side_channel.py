@@ -1,14 +1,14 @@
-"""The KV side channel: how a decode gets a prefill's NIXL metadata, and the prefill the decode's.
+"""The KV side channel: how a decode gets a prefill's transport metadata, and the prefill the decode's.
 
-NIXL's own metadata listener answers anyone, on every interface, with the agent's metadata —
-its UCX addresses and the keys of its registered memory, enough to READ that memory. ringserve
-leaves it off and serves the metadata itself from one ZeroMQ ROUTER bound to the prefill's
+A transport's metadata is what reaches its registered memory (NIXL: UCX addresses and the keys of
+its registered memory, enough to READ that memory). NIXL's own metadata listener answers anyone,
+on every interface; ringserve leaves it off and serves the metadata itself from one ZeroMQ ROUTER bound to the prefill's
 advertised address and keyed with the cluster secret (CURVE, server/cluster_auth.py): only a
 holder of the key gets an answer, and a stranger's bytes never reach the decoder. Without a key
 the server refuses to bind it off loopback (unless --insecure-cluster; server/pd.py).
 
 One round trip: reader → server `MetadataRequest{name, metadata}`; the server loads the reader's
-metadata (so that it can answer the reader's Hello notification, nixl_transport.py) and replies
+metadata (so that it can answer the reader's Hello notification, peer_transport.py) and replies
 `MetadataReply{name, metadata}` with its own. What arrives is capped in size (by ZeroMQ, before
 allocation, and again here) and decoded into exactly these types; anything else is dropped and
 counted (server/channel_guard.py). Driven by polling from the engine loop's thread, like the
@@ -16,7 +16,7 @@ rest of the transport: nothing here blocks.
 """
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Protocol
 
 import msgspec
 import zmq
@@ -51,17 +51,24 @@ class SideChannelError(RuntimeError):
     pass
 
 
-def agent_name(loaded: bytes | str) -> str:
-    """What NIXL's add_remote_agent returns (bytes in the wheels ringserve uses), as a str."""
-    return loaded.decode() if isinstance(loaded, bytes) else loaded
+class MetadataBook(Protocol):
+    """The transport's table of peers' metadata (peer_transport.PeerTransport)."""
+
+    def own_metadata(self) -> bytes: ...
+
+    def has_remote(self, name: str) -> bool: ...
+
+    def load_remote(self, metadata: bytes) -> str: ...
+
+    def remove_remote(self, name: str) -> None: ...
 
 
 class SideChannelServer:
     """The prefill's end: answers metadata requests when `serve()` is called."""
 
-    def __init__(self, ctx: zmq.Context, agent: Any, name: str, host: str, port: int,
+    def __init__(self, ctx: zmq.Context, book: MetadataBook, name: str, host: str, port: int,
                  auth: cluster_auth.ClusterAuth | None = None):
-        self.agent, self.name, self.host, self.port = agent, name, host, port
+        self.book, self.name, self.host, self.port = book, name, host, port
         auth = auth or cluster_auth.current()
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -99,17 +106,17 @@ class SideChannelServer:
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             self.drops.drop(peer, "undecodable", str(exc))
             return None
-        if not self.agent.check_remote_metadata(req.name):
+        if not self.book.has_remote(req.name):
             try:
-                loaded = agent_name(self.agent.add_remote_agent(req.metadata))
-            except Exception as exc:  # NIXL refuses metadata it cannot parse
+                loaded = self.book.load_remote(req.metadata)
+            except Exception as exc:  # the transport refuses metadata it cannot parse
                 self.drops.drop(peer, "invalid_metadata", f"{type(exc).__name__}: {exc}")
                 return None
             if loaded != req.name:
-                self.agent.remove_remote_agent(loaded)
+                self.book.remove_remote(loaded)
                 self.drops.drop(peer, "invalid_metadata", f"metadata of {loaded!r} sent as {req.name!r}")
                 return None
-        reply = MetadataReply(self.name, self.agent.get_agent_metadata())
+        reply = MetadataReply(self.name, self.book.own_metadata())
         try:
             self.sock.send_multipart([peer, _ENCODE(reply)], zmq.NOBLOCK)
         except zmq.ZMQError:  # the reader went away meanwhile; it retries with a new request

@@ -21,7 +21,7 @@ import time
 import torch
 
 from engine.kv_transfer import digest
-from engine.kv_transfer.nixl_transport import KVTransport
+from engine.kv_transfer.nixl_transport import NixlTransport
 
 DTYPES = {"uint8": torch.uint8, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -66,7 +66,7 @@ def _setup(env: dict) -> None:
 def serve(conn, env: dict, name: str, port: int, spec: dict, seed: int, identity: dict) -> None:
     _setup(env)
     regions = fill_regions(spec, seed)
-    transport = KVTransport(name, port, identity=identity)
+    transport = NixlTransport(name, port, identity=identity)
     transport.register(regions)
     conn.send(("ready", {"pid": os.getpid(), "hash": transport.layout_digest()}))
     try:
@@ -84,7 +84,7 @@ def serve(conn, env: dict, name: str, port: int, spec: dict, seed: int, identity
         transport.close()
 
 
-def _command(conn, transport: KVTransport, regions, cmd: tuple) -> str | None:
+def _command(conn, transport: NixlTransport, regions, cmd: tuple) -> str | None:
     op, *args = cmd
     if op == "digests":
         names, blocks = args
@@ -110,7 +110,7 @@ def leakcheck(conn, env: dict, name: str, server: str, port: int, spec: dict, se
     expected = fill_regions(spec, seed)
     torch.zeros(4).add_(1)  # torch's lazily started threads belong to the baseline
     before = resources()
-    transport = KVTransport(name, None)
+    transport = NixlTransport(name, None)
     agent = transport._agent
     empty_md = len(agent.get_agent_metadata())
     transport.register(regions)

@@ -23,8 +23,8 @@ pytest.importorskip("nixl_cu12", reason="nixl-cu12 is not installed")
 
 import kv_transfer_peer  # noqa: E402
 from engine.kv_transfer import digest, protocol  # noqa: E402
-from engine.kv_transfer.nixl_transport import (IncompatiblePeer, KVTransport, PeerUnavailable,  # noqa: E402
-                                               TransferFailed, unique_name)
+from engine.kv_transfer.nixl_transport import NixlTransport, unique_name  # noqa: E402
+from engine.kv_transfer.transport import IncompatiblePeer, PeerUnavailable, TransferFailed  # noqa: E402
 from ipc.kv_transfer_params import GROUPS, KVTransferParams  # noqa: E402
 from kv_transfer_peer import fill_regions  # noqa: E402
 from pd_engines import UCX_ENV  # noqa: E402
@@ -148,7 +148,7 @@ def _reader(spec: dict, seed: int = 99, identity: dict | None = None):
     """A decode-side transport in this process with regions of its own (other block counts)."""
     mine = {k: dict(v, blocks=v["blocks"] - 4) for k, v in spec.items()}
     regions = fill_regions(mine, seed)
-    t = KVTransport(unique_name("decode"), None, identity=identity or {})
+    t = NixlTransport(unique_name("decode"), None, identity=identity or {})
     t.register(regions)
     return t, regions
 
@@ -264,7 +264,7 @@ BIG = {"big": {"tensors": 1, "blocks": 128, "shape": [1 << 20], "dtype": "uint8"
 
 def test_server_killed_mid_transfer_fails_within_bound():
     with Server(BIG) as srv:
-        t = KVTransport(unique_name("decode"), None)
+        t = NixlTransport(unique_name("decode"), None)
         dst = torch.zeros(BIG["big"]["blocks"], 1 << 20, dtype=torch.uint8)
         t.register({"big": dst})
         try:
@@ -347,8 +347,8 @@ def test_pd_handoff_between_two_kv_caches():
     for t in kv_pools.pool_regions(p_cache).values():
         for x in t:
             x.copy_(torch.randn(x.shape, generator=g))
-    prefill = KVTransport(unique_name("prefill"), _free_port(), identity=ident)
-    decode = KVTransport(unique_name("decode"), None, identity=ident)
+    prefill = NixlTransport(unique_name("prefill"), _free_port(), identity=ident)
+    decode = NixlTransport(unique_name("decode"), None, identity=ident)
     try:
         prefill.register(kv_pools.pool_regions(p_cache))
         decode.register(kv_pools.pool_regions(d_cache))
@@ -407,8 +407,8 @@ def test_pd_handoff_between_two_kv_caches():
 
 def _pair(n_server: int = 16, n_reader: int = 8):
     """A server and a reader transport in this process (two agents over tcp), connected."""
-    server = KVTransport(unique_name("prefill"), _free_port())
-    reader = KVTransport(unique_name("decode"), None)
+    server = NixlTransport(unique_name("prefill"), _free_port())
+    reader = NixlTransport(unique_name("decode"), None)
     x = torch.arange(n_server * 64, dtype=torch.int32).view(n_server, 64)
     y = torch.zeros(n_reader, 64, dtype=torch.int32)
     server.register({"r": x})
@@ -454,7 +454,7 @@ def test_bad_arguments_are_refused_before_anything_moves():
         assert reader.read(server.name, "r", [], []).poll() == "done"
         assert reader.state()["pending_transfers"] == 0
         with pytest.raises(Exception, match="cannot start NIXL agent"):
-            KVTransport(unique_name("again"), server.listen_port)  # the server holds the port
+            NixlTransport(unique_name("again"), server.listen_port)  # the server holds the port
     finally:
         reader.close()
         server.close()

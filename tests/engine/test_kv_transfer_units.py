@@ -286,7 +286,7 @@ def test_pool_regions_and_groups_cover_every_pool_tensor():
 
 
 def test_compat_identity_changes_with_what_changes_kv():
-    from engine.kv_transfer.nixl_transport import compat_hash
+    from engine.kv_transfer.regions import compat_hash
 
     cfg = preset_config("tiny")
     ident = lambda kv, bs, model="m@1", dt="fp32": compat_hash(  # noqa: E731

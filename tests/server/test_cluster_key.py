@@ -111,15 +111,18 @@ def test_rendering_warns_about_an_open_api_and_about_a_group_without_a_key(capsy
 
 def test_pd_without_nixl_or_off_loopback_without_a_key_is_one_line(monkeypatch):
     import argparse
+    import dataclasses
 
+    from engine.kv_transfer import registry
     from engine.kv_transfer.config import KVTransferConfig
     from server import pd
 
     args = argparse.Namespace(host="127.0.0.1")
-    monkeypatch.setattr(pd, "NIXL_MODULES", ("no_such_nixl_wheel",))
+    nixl = registry.entry("nixl")
+    monkeypatch.setitem(registry.TRANSPORTS, "nixl", dataclasses.replace(nixl, modules=("no_such_nixl_wheel",)))
     with pytest.raises(ValueError, match=r"needs NIXL, which is not installed: pip install 'ringserve\[pd\]'"):
         pd.check_pd_listeners(args, KVTransferConfig(role="decode"), ClusterAuth(None))
-    monkeypatch.setattr(pd, "NIXL_MODULES", ("zmq",))  # stands in for an installed wheel
+    monkeypatch.setitem(registry.TRANSPORTS, "nixl", dataclasses.replace(nixl, modules=("zmq",)))  # an installed wheel
     pd.check_pd_listeners(args, KVTransferConfig(role="prefill", host="127.0.0.1"), ClusterAuth(None))
     with pytest.raises(ClusterKeyError, match="KV side channel"):
         pd.check_pd_listeners(args, KVTransferConfig(role="prefill", host="10.0.0.7"), ClusterAuth(None))

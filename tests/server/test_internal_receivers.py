@@ -88,30 +88,30 @@ def test_the_store_answers_only_holders_of_the_key():
 
 
 class _Agent:
-    """Stands in for a NIXL agent: the side channel only loads and hands out metadata."""
+    """Stands in for a transport's metadata book: the side channel only loads and hands out metadata."""
 
     def __init__(self, name: str):
         self.name, self.loaded = name, {}
 
-    def get_agent_metadata(self) -> bytes:
+    def own_metadata(self) -> bytes:
         return b"metadata of " + self.name.encode()
 
-    def check_remote_metadata(self, name: str) -> bool:
+    def has_remote(self, name: str) -> bool:
         return name in self.loaded
 
-    def add_remote_agent(self, metadata: bytes) -> bytes:
+    def load_remote(self, metadata: bytes) -> str:
         if not metadata.startswith(b"metadata of "):
-            raise RuntimeError("NIXL could not parse the metadata")
-        name = metadata[len(b"metadata of "):]
-        self.loaded[name.decode()] = metadata
+            raise RuntimeError("the transport could not parse the metadata")
+        name = metadata[len(b"metadata of "):].decode()
+        self.loaded[name] = metadata
         return name
 
-    def remove_remote_agent(self, name: str) -> None:
+    def remove_remote(self, name: str) -> None:
         self.loaded.pop(name, None)
 
 
 def _fetch(ctx, port: int, reader: _Agent, auth: ClusterAuth, server: SideChannelServer, timeout: float = 3.0):
-    fetch = MetadataFetch(ctx, "127.0.0.1", port, reader.name, reader.get_agent_metadata(), auth=auth)
+    fetch = MetadataFetch(ctx, "127.0.0.1", port, reader.name, reader.own_metadata(), auth=auth)
     try:
         end = time.monotonic() + timeout
         while time.monotonic() < end:
