@@ -184,6 +184,23 @@ def test_context_overflow_is_refused_up_front(model):
     with pytest.raises(RequestError, match="vocabulary"):
         engine.add_request(2, [3, 10**6], GREEDY)
     assert not engine.has_work
+    # The edge validator's boundaries and wording (tests/ipc/test_prompt_checks.py has the others'):
+    # n + max_tokens == the context fits, one more does not; ids in [0, V); an empty prompt.
+    vocab = model.cfg.vocab_size
+    for rid, (prompt, max_tokens, refusal) in enumerate([
+            ([3] * 55, 10, "prompt (55 tokens) plus max_tokens (10) exceeds the model's context length (64 tokens)"),
+            ([3, vocab], 4, f"token id {vocab} is outside the vocabulary [0, {vocab})"),
+            ([3, -1], 4, f"token id -1 is outside the vocabulary [0, {vocab})"),
+            ([], 4, "the prompt is empty")], start=10):
+        with pytest.raises(RequestError) as refused:
+            engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens))
+        assert str(refused.value) == refusal
+    assert not engine.has_work
+    engine.add_request(20, [3] * 54, SamplingParams(max_tokens=10))
+    engine.add_request(21, [vocab - 1], SamplingParams(max_tokens=63))
+    assert {r.request_id for r in engine.scheduler.waiting} == {20, 21}
+    engine.abort(20)
+    engine.abort(21)
 
 
 def test_non_finite_logits_fail_only_that_request(model):
