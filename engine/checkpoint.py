@@ -145,7 +145,7 @@ def quantize_fp8_blocks(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torc
     return q, scale.to(torch.float8_e8m0fnu)
 
 
-def _e2m1_codes(x: torch.Tensor) -> torch.Tensor:
+def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     """Round |x| ≤ 6 to the nearest e2m1 code, ties to the even code; sign in bit 3."""
     mag = x.abs()
     midpoints = ((_E2M1_GRID[1:] + _E2M1_GRID[:-1]) / 2).to(x.device)
@@ -160,7 +160,7 @@ def quantize_fp4_rows(w: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, t
     r, c = w.shape
     groups = w.view(r, c // group, group)
     scale = _ue8m0(groups.abs().amax(dim=-1), 6.0)  # [R, C/group]
-    codes = _e2m1_codes((groups / scale[..., None]).clamp(-6, 6)).view(r, c)
+    codes = e2m1_codes((groups / scale[..., None]).clamp(-6, 6)).view(r, c)
     packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
     return packed.view(torch.int8), scale.to(torch.float8_e8m0fnu)
 
@@ -233,11 +233,11 @@ def write_checkpoint(out_dir: str | Path, cfg: ModelConfig, state: dict[str, tor
     (out_dir / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     gen = {"bos_token_id": cfg.bos_token_id, "eos_token_id": list(cfg.eos_token_ids), "do_sample": False}
     (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-    _write_shards(out_dir, tensors, shard_bytes)
+    write_shards(out_dir, tensors, shard_bytes)
     return out_dir
 
 
-def _write_shards(out_dir: Path, tensors: dict[str, torch.Tensor], shard_bytes: int) -> None:
+def write_shards(out_dir: Path, tensors: dict[str, torch.Tensor], shard_bytes: int) -> None:
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name in sorted(tensors):

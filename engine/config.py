@@ -22,7 +22,7 @@ import msgspec
 
 from engine.kv_transfer.config import KVTransferConfig  # PD disaggregation (msgspec only)
 
-SUPPORTED_MODEL_TYPES = ("deepseek_v4", "deepseek_v41")
+from .models import registry  # config.json → the architecture that parses it
 
 _LAYER_TYPE_TO_KIND = {
     "sliding_attention": "swa",
@@ -230,15 +230,16 @@ def _require(raw: dict[str, Any], key: str, kind: type | tuple[type, ...] = (int
 
 
 def _parse(raw: dict[str, Any]) -> ModelConfig:
-    model_type = raw.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ConfigError(
-            f"config.json: unsupported model_type {model_type!r}; ringserve serves {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
-    if model_type == "deepseek_v41":  # the release's composite config: text geometry under text_config
-        from .v41.config import parse_v41
+    """The registered architecture that serves this config.json parses it (engine/models/registry.py)."""
+    arch = registry.for_config(raw)
+    if arch is None:
+        raise ConfigError(f"config.json: unsupported model_type {raw.get('model_type')!r}; ringserve serves "
+                          f"{', '.join(registry.served_model_types())}")
+    return arch.parse_config(raw)
 
-        return parse_v41(raw)
+
+def parse_v4(raw: dict[str, Any]) -> ModelConfig:
+    """A DeepSeek-V4 config.json (either dialect) → ModelConfig; ConfigError names a bad key."""
     if "text_config" in raw:
         raise ConfigError("config.json: composite (text_config) configs are not supported for deepseek_v4")
     num_layers = int(_require(raw, "num_hidden_layers", int))

@@ -51,7 +51,7 @@ Key = tuple[str, int, int, int]  # (kind, B, q, C)
 
 
 @dataclass
-class _Shape:
+class Shape:
     batch: DecodeBatch
     inputs: torch.Tensor | None = None  # 'mtp': [B·q, n, D] the target's / previous draft's streams (static)
     graph: "torch.cuda.CUDAGraph | None" = None
@@ -62,7 +62,7 @@ class _Shape:
 class StaticStep:
     """A prepared static-shape step: its shape's buffers hold the live rows, padding after them."""
 
-    def __init__(self, backend: "StaticDecodeBackend", shape: _Shape, num_rows: int):
+    def __init__(self, backend: "StaticDecodeBackend", shape: Shape, num_rows: int):
         self.backend, self.shape, self.num_rows = backend, shape, num_rows
 
     def set_token_ids(self, token_ids: torch.Tensor) -> None:
@@ -120,7 +120,7 @@ class StaticDecodeBackend:
         # The forward a shape runs: the fused kernels (engine/fused_decode.py; Triton on CUDA,
         # the CPU kernels on CPU) or the torch static path (engine/attention_decode.py).
         self.fused = FusedDecoder(model) if fused else None
-        self._shapes: dict[Key, _Shape] = {}
+        self._shapes: dict[Key, Shape] = {}
         self._chains: dict[tuple[int, int, str], Chain] = {}  # (B, drafts, kind) → the drafting chain
         self._pool = None
         self.num_runs = 0  # static-shape steps run
@@ -198,7 +198,7 @@ class StaticDecodeBackend:
         shape.batch.fill([self._row(r, shape.batch) for r in rows])
         return ChainStep(self, chain, len(rows))
 
-    def _chain(self, shape: _Shape, size: int, num_drafts: int, kind: str) -> Chain:
+    def _chain(self, shape: Shape, size: int, num_drafts: int, kind: str) -> Chain:
         chain = self._chains.get((size, num_drafts, kind))
         if chain is None:
             like = next((c for (s, _, _), c in self._chains.items() if s == size), None)
@@ -218,7 +218,7 @@ class StaticDecodeBackend:
     def _capture_chain(self, chain: Chain) -> None:
         chain.graph, (chain.tokens, chain.probs) = self._record(lambda: chain.program(self))
 
-    def _get(self, key: Key) -> _Shape:
+    def _get(self, key: Key) -> Shape:
         shape = self._shapes.get(key)
         if shape is None:
             shape = self._shapes[key] = self._allocate(key)
@@ -226,11 +226,11 @@ class StaticDecodeBackend:
                 self._capture(shape)
         return shape
 
-    def _allocate(self, key: Key) -> _Shape:
+    def _allocate(self, key: Key) -> Shape:
         """A shape's static buffers, all rows padding."""
         kind, size, q, bucket = key
         batch = DecodeBatch.allocate(self.cache, size, q, bucket // self.cache.layout.block_size, self.sliding_blocks)
-        shape = _Shape(batch)
+        shape = Shape(batch)
         if kind == "mtp":
             cfg = self.model.cfg
             shape.inputs = torch.zeros(size * q, cfg.hc_mult, cfg.hidden_size, dtype=self.model.dtype,
@@ -239,7 +239,7 @@ class StaticDecodeBackend:
 
     # ---- running -----------------------------------------------------------------------------
     @torch.inference_mode()
-    def replay(self, shape: _Shape) -> None:
+    def replay(self, shape: Shape) -> None:
         """Run a filled shape: replay its graph, or its static forward eagerly when uncaptured."""
         out = self._run(shape.graph, lambda: self._forward(shape))
         if out is not None:
@@ -265,7 +265,7 @@ class StaticDecodeBackend:
         sliding = table.sliding[skip : skip + batch.sliding_table.shape[1]]
         return row.token_ids, row.start, table.full[: batch.full_table.shape[1]], sliding, first
 
-    def _forward(self, shape: _Shape) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, shape: Shape) -> tuple[torch.Tensor, torch.Tensor]:
         batch, fused = shape.batch, self.fused
         if shape.inputs is None:
             streams = fused.forward(batch) if fused else self.model(batch.token_ids, batch.positions, batch)
@@ -307,7 +307,7 @@ class StaticDecodeBackend:
             keys += [("mtp", s, q, self.buckets[0]) for q in sorted({1, *self.tokens_per_seq}) for s in self.batch_sizes]
         return keys
 
-    def _capture(self, shape: _Shape) -> None:
+    def _capture(self, shape: Shape) -> None:
         # All-padding buffers: warm-up and capture write only the dummy block.
         shape.graph, (shape.streams, shape.logits) = self._record(lambda: self._forward(shape))
 

@@ -38,7 +38,7 @@ def chain_kind(rows: SamplingRows) -> str:
 class Chain:
     """The static buffers (and, on CUDA, the graph) of one (B, k, kind)."""
 
-    shape: object  # the ('mtp', B, 1) _Shape whose batch and inputs the chain drives
+    shape: object  # the ('mtp', B, 1) Shape whose batch and inputs the chain drives
     num_drafts: int
     kind: str
     first_streams: torch.Tensor  # [B, hc, D]: the streams the first draft follows

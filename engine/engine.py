@@ -21,9 +21,9 @@ from ipc.prompt_checks import PromptRefused, check_prompt
 from .batch import Batch, StepOutput
 from .config import ConfigError, EngineConfig
 from .cuda_graphs import StaticDecodeBackend
-from .kv_cache import KVCache
 from .model import DeepseekV4
-from .model_runner import LaunchedStep, ModelRunner
+from .model_runner import LaunchedStep
+from .models import registry
 from .prefix_cache import PrefixCache, snapshot_slots
 from .request import Request, RequestError
 from .scheduler import Scheduler, SchedulerConfig
@@ -46,17 +46,15 @@ class EngineStats:
 class Engine:
     def __init__(self, model: DeepseekV4, config: EngineConfig = EngineConfig()):
         self.config = config = config.resolved()
-        if config.batch_invariant and model.cfg.arch != "v41":
-            raise ConfigError("--batch-invariant is implemented for DeepSeek-V4.1 only")
+        self.architecture = arch = registry.of(model.cfg)  # its cache, runner, drafter (engine/models/)
+        caps = arch.capabilities
+        if config.batch_invariant and not caps.batch_invariant:
+            raise ConfigError(f"--batch-invariant is implemented for {registry.having('batch_invariant')} only")
         self.model = model
         max_len = config.context_length(model.cfg)
-        v41 = model.cfg.arch == "v41"  # DeepSeek-V4.1: its cache, runner and DSpark (engine/v41/)
         if config.batch_invariant:
             model.numerics = replace(model.numerics, row_independent=True)  # the model's mode from now on
-        if v41:
-            from .v41.kv_cache import V41KVCache as cache_cls
-        else:
-            cache_cls = KVCache
+        cache_cls = arch.cache_class()
         self.config = config = _without_unsupported_prefix_caching(config)
         slots = snapshot_slots(config.enable_prefix_caching, config.prefix_replay, config.prefix_snapshots,
                                config.max_num_seqs)
@@ -70,20 +68,18 @@ class Engine:
         max_len = _fit_context_to_pool(max_len, self.cache.manager, k)
         sched_cfg = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_len, k)
         # ---- prefix caching (engine/prefix_cache.py) ----
-        # V4.1's DSpark windows read no look-ahead token (see PrefixCache.for_engine)
+        # only MTP drafts read a look-ahead token in their windows (see PrefixCache.for_engine)
         self.prefix_cache = (PrefixCache.for_engine(self.cache, model.cfg, config.kv_dtype, config.prefix_replay,
-                                                    k > 0 and not v41)
+                                                    k > 0 and caps.drafter == "mtp")
                              if config.enable_prefix_caching else None)
         self.scheduler = Scheduler(sched_cfg, self.cache, model.cfg.eos_token_ids, self.prefix_cache)
         self.static = None
         static = config.static_decode
         if static is None:
             static = static_decode_default(model.device) and not config.enforce_eager
-        if v41:  # its own static step (engine/v41/static_decode.py); on a CPU only when asked
-            from .v41.static_decode import build_static_backend
-
-            self.static = build_static_backend(model, self.cache, config, max_len, k)
-        elif static:
+        if caps.own_static_decode:  # e.g. V4.1's (engine/v41/static_decode.py); on a CPU only when asked
+            self.static = arch.static_backend(model, self.cache, config, max_len, k)
+        elif static and caps.generic_static_decode:
             depths = tuple(range(1, k + 2)) if config.adaptive_speculation else (1, 1 + k)
             sizes = static_batch_sizes(config, model.device)
             self.static = StaticDecodeBackend(model, self.cache, sizes, depths, max_len,
@@ -92,16 +88,11 @@ class Engine:
             if self.static.capture:
                 _check_capturable_dispatch(model)
             self.static.capture_all()
-        if v41:
-            from .v41.runner import V41ModelRunner
-
-            self.runner = V41ModelRunner(model, self.cache, k, config.decoder_tail, self.static)
-        else:
-            self.runner = ModelRunner(model, self.cache, k, self.static)
+        self.runner = arch.runner(model, self.cache, config, k, self.static)
         self.spec_control = SpeculationControl(k) if k and config.adaptive_speculation else None
         self.stats = EngineStats(spec_accepted_per_position=[0] * k)
         self.connector = None  # [kv-connector] PD disaggregation: engine.kv_connector.attach_connector sets it
-        self.async_scheduling = _async_scheduling(config, k, v41, self.static is not None)
+        self.async_scheduling = _async_scheduling(config, k, arch, self.static is not None)
         self._in_flight: tuple[LaunchedStep, float] | None = None  # async scheduling: step t, its start
         self.grammars = None  # structured outputs: GrammarCache, made at the first request with a grammar
         self.on_grammar_ready = None  # called (from the compile thread) when a grammar compile ends
@@ -324,17 +315,18 @@ def default_dtype(config: EngineConfig, device: str) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp32": torch.float32}[config.dtype]
 
 
-def _async_scheduling(config: EngineConfig, num_drafts: int, v41: bool, static: bool) -> bool:
+def _async_scheduling(config: EngineConfig, num_drafts: int, arch, static: bool) -> bool:
     """--async-scheduling, where a step's inputs never need its predecessor's results on the
-    host. Not for V4.1 (its runner takes no device-side tokens yet), nor with speculation
+    host. Not for an architecture without the capability (V4.1: its runner takes no
+    device-side tokens yet), nor with speculation
     outside the static decode path (a step after a verification starts at a position known on
     the device only): there it is turned off, said once. PD roles and expert-parallel lockstep
     run the synchronous step (see Engine.step, worker.py)."""
     if not config.async_scheduling:
         return False
     why = None
-    if v41:
-        why = "DeepSeek-V4.1"
+    if not arch.capabilities.async_scheduling:
+        why = arch.display_name
     elif num_drafts and not static:
         why = "--speculative-tokens without the static decode path"
     if why is not None:

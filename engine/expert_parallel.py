@@ -25,6 +25,7 @@ from . import eplb
 from .all2all import NaiveAllGather, PaddedA2A, SlotLayout, TorchA2A
 from .config import ModelConfig, ParallelConfig
 from .ep_moe import ExpertParallelMoE
+from .models import registry
 
 logger = logging.getLogger(__name__)
 
@@ -33,9 +34,7 @@ def moe_layer_ids(cfg: ModelConfig, num_mtp: int) -> list[int]:
     """Placement layer index of every MoE layer: the model's, then its MTP layers'. DeepSeek-V4.1:
     the backbone's only; its DSpark stages (fewer experts each) stay whole on every rank, so
     drafting runs no collective and the placement has one expert count."""
-    if cfg.arch == "v41":
-        return list(range(cfg.num_layers))
-    return list(range(cfg.num_layers + num_mtp))
+    return registry.of(cfg).moe_layer_ids(cfg, num_mtp)
 
 
 def initial_placement(cfg: ModelConfig, num_mtp: int, parallel: ParallelConfig) -> eplb.Placement:
@@ -117,11 +116,7 @@ def _on_wire(t: torch.Tensor) -> torch.Tensor:
 
 
 def _dispatcher(model, a2a, moe, maps) -> ExpertParallelMoE:
-    if model.cfg.arch == "v41":  # the routing weight before w2, fp32 sums in expert order
-        from .v41.expert_parallel import V41ExpertParallelMoE
-
-        return V41ExpertParallelMoE(a2a, moe.experts, *maps)
-    return ExpertParallelMoE(a2a, moe.experts.local_experts, *maps)
+    return registry.of(model.cfg).expert_parallel_moe(model, a2a, moe, maps)
 
 
 def _moe_of(model, layer: int):

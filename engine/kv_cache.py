@@ -70,7 +70,7 @@ class PoolRef:
         self.pool.write(self.layer, slots.reshape(-1), rows.reshape(slots.numel(), -1))
 
 
-class _Slots:
+class Slots:
     """Position → slot arithmetic for one sequence's block table.
 
     Every layer of a step asks for the same ranges, so the slot tensors are memoised, keyed by
@@ -121,7 +121,7 @@ class _Slots:
 class PagedRows:
     """Per-token rows of a sliding pool (window KV or compressor state) for one layer."""
 
-    def __init__(self, pool: Pool, layer: int, slots: _Slots, dtype: torch.dtype):
+    def __init__(self, pool: Pool, layer: int, slots: Slots, dtype: torch.dtype):
         self.pool, self.layer, self.slots, self.dtype = pool, layer, slots, dtype
 
     def read(self, start: int, end: int) -> torch.Tensor:
@@ -137,7 +137,7 @@ class PagedEntries:
     Records of positions below the table's `frozen_tokens` live in prefix-cached blocks shared
     with other sequences: writes to them (a replay recomputing those positions) are dropped."""
 
-    def __init__(self, pool: Pool, layer: int, slots: _Slots, dtype: torch.dtype):
+    def __init__(self, pool: Pool, layer: int, slots: Slots, dtype: torch.dtype):
         self.pool, self.layer, self.slots, self.dtype = pool, layer, slots, dtype
 
     def read(self, count: int) -> torch.Tensor:
@@ -171,7 +171,7 @@ class PagedSequence:
     def __init__(self, cache: "KVCache", num_layers: int):
         self.cache = cache
         self.table = BlockTable()
-        self._slots = _Slots(self.table, cache.layout.block_size, cache.device)
+        self._slots = Slots(self.table, cache.layout.block_size, cache.device)
         self._views: dict[int, _LayerView] = {}
         self.num_layers = num_layers
 
@@ -240,7 +240,7 @@ class KVCache:
         pools = sum(t.numel() * t.element_size() for p in self.pools.values() for t in p.tensors.values())
         return pools + (self.snapshots.nbytes if self.snapshots is not None else 0)
 
-    def _layer_view(self, layer: int, slots: _Slots) -> _LayerView:
+    def _layer_view(self, layer: int, slots: Slots) -> _LayerView:
         cfg, dt = self.cfg, self.dtype
         window = PagedRows(self.pools["swa"], layer, slots, dt)
         if layer >= cfg.num_layers or cfg.compress_ratios[layer] == 0:

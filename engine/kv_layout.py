@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import kernels
 
 from .config import ModelConfig
+from .models import registry
 
 KV_DTYPES = ("auto", "bf16", "fp8", "fp4")
 RAW_FORMATS = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -116,10 +117,13 @@ def _formats(cfg: ModelConfig, kv_dtype: str, compute_dtype: str) -> tuple[str, 
 
 def build_layout(cfg: ModelConfig, kv_dtype: str = "auto", compute_dtype: str = "fp32", block_size: int = 256,
                  num_mtp_layers: int | None = None, index_dtype: str = "fp4") -> KVLayout:
-    """The V4 layout: every compressed layer owns its compressor and its pools (V4.1 configs get
-    `build_v41_layout`)."""
-    if cfg.arch == "v41":
-        return build_v41_layout(cfg, kv_dtype, block_size, num_mtp_layers, index_dtype)
+    """The layout of `cfg`'s architecture (engine/models/: V4 `build_v4_layout`, V4.1 `build_v41_layout`)."""
+    return registry.of(cfg).kv_layout(cfg, kv_dtype, compute_dtype, block_size, num_mtp_layers, index_dtype)
+
+
+def build_v4_layout(cfg: ModelConfig, kv_dtype: str = "auto", compute_dtype: str = "fp32", block_size: int = 256,
+                    num_mtp_layers: int | None = None, index_dtype: str = "fp4") -> KVLayout:
+    """The V4 layout: every compressed layer owns its compressor and its pools."""
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
     mtp = cfg.num_nextn_predict_layers if num_mtp_layers is None else num_mtp_layers

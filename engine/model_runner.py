@@ -47,7 +47,7 @@ class _Pending:
 
 
 @dataclass
-class _Drafts:
+class Drafts:
     """The step's drafts on the device: rows `live` of the pending list."""
 
     live: list[int]  # indices into pending
@@ -62,7 +62,7 @@ class LaunchedStep:
     batch: Batch
     pending: list[_Pending]
     sample: DeviceSample | None
-    drafts: _Drafts | None
+    drafts: Drafts | None
     host: PendingRead | HostSample | None  # the copy in flight (or, read mid-step, its result)
     scores: dict[int, PromptScores]
 
@@ -287,7 +287,7 @@ class ModelRunner:
         return start_read(sample, drafts)
 
     def _outputs(self, pending: list[_Pending], host: HostSample | None,
-                 drafts: _Drafts | None) -> dict[int, RequestStepOutput]:
+                 drafts: Drafts | None) -> dict[int, RequestStepOutput]:
         outputs = {}
         draft_row = {i: r for r, i in enumerate(drafts.live)} if drafts is not None else {}
         for i, pend in enumerate(pending):
@@ -316,7 +316,7 @@ class ModelRunner:
     # ---- MTP drafting ------------------------------------------------------------------------------
     def _run_mtp(self, batch: Batch, streams: torch.Tensor, pending: list[_Pending], sample: DeviceSample | None,
                  num_drafts: int, lockstep: bool,
-                 flow: _AheadInputs | None = None) -> tuple[_Drafts | None, HostSample | None]:
+                 flow: _AheadInputs | None = None) -> tuple[Drafts | None, HostSample | None]:
         """Feed the MTP layer every row of this step (row at position p pairs the target's streams
         at p with token p + 1: known, or emitted this step), then draft `num_drafts` tokens per
         request that sampled, from the row of its last accepted token. `flow`: the inputs taken
@@ -363,7 +363,7 @@ class ModelRunner:
 
     def _draft(self, pending: list[_Pending], h: torch.Tensor, logits: torch.Tensor | None, cand: list[list[int]],
                sample: DeviceSample, num_drafts: int, lockstep: bool,
-               shifts: torch.Tensor | None = None) -> tuple[_Drafts | None, HostSample | None]:
+               shifts: torch.Tensor | None = None) -> tuple[Drafts | None, HostSample | None]:
         """`shifts` [P]: the sampling requests' position shifts (async scheduling), or None."""
         live = []
         for i, p in enumerate(pending):
@@ -396,7 +396,7 @@ class ModelRunner:
         chain = self._draft_chain(reqs, num_drafts, rows_params) if live and not (penalized or lockstep) else None
         if chain is not None:
             tokens, stacked = chain.run(cur, logits, committed, seeds, rows_params)
-            return _Drafts(live, tokens, None if greedy else stacked), None
+            return Drafts(live, tokens, None if greedy else stacked), None
         if live and penalized:  # as the target will: this step's tokens count, then each draft
             rows_params.penalty = self.sampler.penalty_rows([s.request for s in reqs], logits.shape[-1])
         toks, probs_per_step, host, step = [], [], None, None
@@ -417,7 +417,7 @@ class ModelRunner:
         if not live:
             return None, host
         stacked = None if greedy else torch.stack(probs_per_step, dim=1)  # [R, k, V]
-        return _Drafts(live, torch.stack(toks, dim=1), stacked), host
+        return Drafts(live, torch.stack(toks, dim=1), stacked), host
 
     def _draft_chain(self, reqs: list[ScheduledRequest], num_drafts: int, rows: SamplingRows):
         """The static drafting chain for these requests (engine/draft_chain.py), or None."""

@@ -48,6 +48,7 @@ from dataclasses import asdict, dataclass
 from .block_manager import block_hash
 from .config import PREFIX_REPLAY_MODES
 from .kv_snapshot import SlidingState, boundary_rows, export_state, import_state
+from .models import registry
 from .v41.vision.inputs import multimodal_of
 
 
@@ -122,7 +123,8 @@ class PrefixCache:
         """`speculative`: drafts read window rows computed with the token after them (V4's MTP).
         V4.1's DSpark windows hold main positions' rows only (no look-ahead token), so a
         snapshot serves any next token: pass False there."""
-        formats = _pool_formats(cache.layout) if getattr(model_cfg, "arch", None) == "v41" else None
+        salted = registry.of(model_cfg).capabilities.salt_names_pool_formats
+        formats = _pool_formats(cache.layout) if salted else None
         return cls(cache, mode, model_salt(model_cfg, kv_dtype, cache.layout.block_size, formats), speculative)
 
     # ---- lookup ----------------------------------------------------------------------------
@@ -393,8 +395,8 @@ def _chained_window_layers(cache, windows) -> int:
     backbone's last layer's are, and the stages add no depth."""
     layers = set().union(*(p.layers for p in windows)) if windows else set()
     cfg = getattr(cache, "cfg", None)
-    if getattr(cfg, "arch", None) == "v41":
-        layers = {layer for layer in layers if layer < cfg.num_layers}
+    if cfg is not None:
+        layers = registry.of(cfg).chained_window_layers(cfg, layers)
     return len(layers)
 
 

@@ -1,4 +1,5 @@
-"""Load a Hugging Face-format DeepSeek-V4 directory into `DeepseekV4`.
+"""Load a Hugging Face-format DeepSeek-V4 directory into `DeepseekV4`; `load_model`, the entry
+for every architecture, hands a checkpoint to the one its config.json names (engine/models/).
 
 Reads `config.json`, sharded safetensors (with `model.safetensors.index.json`) or one file,
 in the upstream, transformers or saved-by-transformers tensor layout. Quantized weights are
@@ -33,6 +34,7 @@ from torch import nn
 from .config import WEIGHT_DTYPES, ModelConfig
 from .linear import DENSE, SCALE_DTYPES, GroupedLinear, GroupedWeight, QuantWeight, RoutedExperts, WeightFormat
 from .model import DeepseekV4
+from .models import registry
 from .moe import MoE
 from .mtp import MTPLayer
 from .weight_names import Target, detect_layout, scale_name_of, target_of
@@ -44,7 +46,7 @@ FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.
 # Parameter leaves the model defines in fp32, kept so whatever the compute dtype.
 _FP32_LEAVES = frozenset({"norm", "q_norm", "kv_norm", "attn_norm", "ffn_norm", "enorm", "hnorm", "fn", "base",
                           "scale", "attn_sink", "ape", "gate_bias"})
-# safetensors header dtype names → torch dtypes (what `_Checkpoint.info` reports).
+# safetensors header dtype names → torch dtypes (what `Checkpoint.info` reports).
 _ST_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu,
               "I8": torch.int8, "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
               "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
@@ -128,7 +130,7 @@ def _dequantized(name: str, value: torch.Tensor, scale: torch.Tensor | None) -> 
 # ---- the shards --------------------------------------------------------------------------
 
 
-class _Checkpoint:
+class Checkpoint:
     """Lazy access to every tensor of the shards by name: `info` reads only the header."""
 
     def __init__(self, files: list[Path]):
@@ -170,7 +172,7 @@ class _Checkpoint:
         return next((s for s in scale_name_of(name) if s in self.location), None)
 
 
-def _is_scale(name: str, names: dict[str, Path]) -> bool:
+def is_scale(name: str, names: dict[str, Path]) -> bool:
     for suffix, weight_suffix in ((".scale", ".weight"), (".weight_scale_inv", ".weight")):
         if name.endswith(suffix) and name[: -len(suffix)] + weight_suffix in names:
             return True
@@ -241,11 +243,11 @@ def _materialize(model: nn.Module, device: str | torch.device) -> None:
 # ---- planning ----------------------------------------------------------------------------
 
 
-def _targets(ckpt: _Checkpoint, layout: str, expected: set[str], load_mtp: bool) -> dict[str, Target | None]:
+def _targets(ckpt: Checkpoint, layout: str, expected: set[str], load_mtp: bool) -> dict[str, Target | None]:
     """Checkpoint weight name (scales excluded) → its Target; None for MTP tensors skipped."""
     out: dict[str, Target | None] = {}
     for name in ckpt.location:
-        if _is_scale(name, ckpt.location):
+        if is_scale(name, ckpt.location):
             continue
         target = target_of(name, layout)
         if target is None or (target.internal.startswith("mtp.") and target.internal not in expected):
@@ -265,7 +267,7 @@ def _container(model: nn.Module, internal: str) -> QuantWeight | None:
     return module if isinstance(module, QuantWeight) else None
 
 
-def stored_formats(model: nn.Module, ckpt: _Checkpoint, targets: dict[str, Target | None]) -> dict[str, WeightFormat]:
+def stored_formats(model: nn.Module, ckpt: Checkpoint, targets: dict[str, Target | None]) -> dict[str, WeightFormat]:
     """Module path → format of every weight container the checkpoint stores quantized (what
     weight_dtype='auto' keeps), from the tensors' headers."""
     seen: dict[str, tuple[WeightFormat, str]] = {}
@@ -282,7 +284,7 @@ def stored_formats(model: nn.Module, ckpt: _Checkpoint, targets: dict[str, Targe
     return {path: fmt for path, (fmt, _) in seen.items() if fmt.quantized}
 
 
-def _stored_format(ckpt: _Checkpoint, name: str, module: QuantWeight, target: Target) -> WeightFormat:
+def _stored_format(ckpt: Checkpoint, name: str, module: QuantWeight, target: Target) -> WeightFormat:
     """The format `name` is stored in, or DENSE where the container cannot keep it (it is then
     decoded at load)."""
     scale_name = ckpt.scale_of(name)
@@ -315,7 +317,7 @@ def _stored_format(ckpt: _Checkpoint, name: str, module: QuantWeight, target: Ta
 def checkpoint_formats(model_dir: str | Path, model: DeepseekV4) -> dict[str, WeightFormat]:
     """The plan load_model(weight_dtype='auto') makes for `model` (a dense meta build of the
     checkpoint's config, with or without MTP), from the shards' headers only."""
-    ckpt = _Checkpoint(shard_files(Path(model_dir)))
+    ckpt = Checkpoint(shard_files(Path(model_dir)))
     names = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
     targets = _targets(ckpt, detect_layout(list(ckpt.location)), names, load_mtp=len(model.mtp) > 0)
     return stored_formats(model, ckpt, targets)
@@ -324,11 +326,11 @@ def checkpoint_formats(model_dir: str | Path, model: DeepseekV4) -> dict[str, We
 # ---- filling -----------------------------------------------------------------------------
 
 
-class _Filler:
+class Filler:
     """Copies checkpoint tensors into an allocated model and keeps the books: what was filled,
     which expert rows, which checkpoint tensors were consumed (read or deliberately skipped)."""
 
-    def __init__(self, model: DeepseekV4, ckpt: _Checkpoint, adopt: frozenset[str] = frozenset()):
+    def __init__(self, model: DeepseekV4, ckpt: Checkpoint, adopt: frozenset[str] = frozenset()):
         """adopt: paths of quantized CPU containers whose stored tensors become their parameters
         as read, with no copy. safetensors maps the file, so those parameters are the page cache's
         pages, shared by every process on the host that loads the same file (read-only use)."""
@@ -487,15 +489,20 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloat16, devic
     if weight_dtype not in WEIGHT_DTYPES:
         raise ValueError(f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {weight_dtype!r}")
     model_dir = Path(model_dir)
-    cfg = ModelConfig.from_model_dir(model_dir)
-    if cfg.arch == "v41":  # DeepSeek-V4.1: its own model (bf16 activations by definition) and names
-        from .v41.weights import load_v41
+    arch = registry.of(ModelConfig.from_model_dir(model_dir))  # the architecture builds and fills its model
+    model = arch.load_model(model_dir, dtype=dtype, device=device, progress=progress, load_mtp=load_mtp,
+                            weight_dtype=weight_dtype, experts=experts, engram_tables=engram_tables,
+                            language_model_only=language_model_only)
+    model.source_dir = model_dir  # where its tokenizer is (structured outputs compile against it)
+    return model
 
-        model = load_v41(model_dir, device, progress, load_mtp, weight_dtype, experts, engram_tables,
-                         language_model_only)
-        model.source_dir = model_dir  # where its tokenizer is (structured outputs compile against it)
-        return model
-    ckpt = _Checkpoint(shard_files(model_dir))
+
+def load_v4(model_dir: Path, dtype: torch.dtype = torch.bfloat16, device: str = "cpu", progress: bool = True,
+            load_mtp: bool = True, weight_dtype: str = "auto",
+            experts: dict[int, list[int]] | None = None) -> DeepseekV4:
+    """A DeepSeek-V4 checkpoint (either tensor-name layout) into `DeepseekV4` (see `load_model`)."""
+    cfg = ModelConfig.from_model_dir(model_dir)
+    ckpt = Checkpoint(shard_files(model_dir))
     layout = detect_layout(list(ckpt.location))
     has_mtp = any(n.startswith("mtp.") for n in ckpt.location)
     model = build_model(cfg, with_mtp=load_mtp and has_mtp and cfg.num_nextn_predict_layers > 0, dtype=dtype)
@@ -503,7 +510,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloat16, devic
                        load_mtp)
     configure(model, stored_formats(model, ckpt, targets) if weight_dtype == "auto" else {}, experts)
     _materialize(model, device)
-    filler = _Filler(model, ckpt)
+    filler = Filler(model, ckpt)
     # No tqdm at all without a progress bar: even disabled, it creates a multiprocessing lock
     # (a named semaphore) that a worker killed at shutdown would leave behind.
     bar = None
@@ -527,5 +534,4 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloat16, devic
     model.train(False).requires_grad_(False)  # inference only
     logger.info("loaded %s (%s layout, %d tensors, %.1f MiB read) as %s, weights %s", model_dir, layout, len(targets),
                 filler.bytes_read / 2**20, dtype, weight_dtype)
-    model.source_dir = model_dir  # where its tokenizer is (structured outputs compile against it)
     return model

@@ -33,6 +33,7 @@ from .config import ConfigError, EngineConfig, ModelConfig, ParallelConfig
 from .engine import Engine, default_dtype
 from .kv_connector import attach_connector
 from .lockstep import Lockstep, join_group
+from .models import registry
 from .distributed import RendezvousError
 from .expert_parallel import ExpertParallel, experts_to_load, initial_placement
 from .weights import WeightLoadError, load_model
@@ -91,7 +92,8 @@ def worker_main(args, device: str = "cpu") -> None:
             group = join_group(rank, parallel, args.master_port, args.generation)
         model, ep = _load(args.model_dir, config, parallel, device, group)
         if device == "cpu":  # before the engine's warm-up steps
-            cpu_precision.apply(config.cpu_matmul_precision, config.dtype, reference_numerics=model.cfg.arch == "v41")
+            cpu_precision.apply(config.cpu_matmul_precision, config.dtype,
+                                reference_numerics=registry.of(model.cfg).capabilities.reference_numerics)
         engine = Engine(model, config)
         attach_connector(engine, rank)  # [kv-connector] --kv-transfer: NIXL agent, pools registered
         worker = Worker(engine, outbox.send, Lockstep(group, ep, parallel) if group is not None else None)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from kernels import reference
+from kernels.model_math import apply_rope, hc_collapse, hc_expand, hc_mix_weights, head_rms_norm, rms_norm
 from kernels.pool_layout import RAW_DTYPES
 
 # Compute dtypes the decode ops accept (the engine's activations).
@@ -35,9 +36,7 @@ def norm_rope_reference(x: torch.Tensor, norm: int = 0, weight: torch.Tensor | N
                         cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, inverse: bool = False,
                         dtype: torch.dtype | None = None, pre_round: bool = False, pool: torch.Tensor | None = None,
                         pool_fmt: str = "fp32", slots: torch.Tensor | None = None) -> torch.Tensor:
-    """engine.layers' rms_norm / head_rms_norm / apply_rope, then a reference record write."""
-    from engine.layers import apply_rope, head_rms_norm, rms_norm
-
+    """kernels.model_math's rms_norm / head_rms_norm / apply_rope (V4's), then a reference record write."""
     check_norm_rope(x, weight, norm, cos, sin, slots)
     dtype = x.dtype if dtype is None else dtype
     y = x.to(dtype) if pre_round or x.dtype != dtype else x
@@ -67,9 +66,7 @@ def mhc_mix_reference(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tenso
                       sinkhorn_iters: int, hc_eps: float, norm_eps: float, collapse: bool = False,
                       precision: str = "ieee", norm_weight: torch.Tensor | None = None,
                       out_eps: float = 1e-6) -> tuple[torch.Tensor, ...]:
-    """engine.layers.hc_mix_weights (+ hc_collapse, + rms_norm), unchanged."""
-    from engine.layers import hc_collapse, hc_mix_weights, rms_norm
-
+    """kernels.model_math.hc_mix_weights (+ hc_collapse, + rms_norm), unchanged."""
     pre, post, comb = hc_mix_weights(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
     if not collapse:
         return pre, post, comb
@@ -80,8 +77,6 @@ def mhc_mix_reference(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tenso
 # ---- mhc_expand ------------------------------------------------------------------------------
 
 def mhc_expand_reference(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    from engine.layers import hc_expand
-
     return hc_expand(streams, y, post, comb)
 
 

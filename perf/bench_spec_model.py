@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
+from engine.models import registry  # noqa: E402
 from engine.weights import load_model  # noqa: E402
 from ipc.messages import SamplingParams  # noqa: E402
 from server.builtin import builtin_model_dir  # noqa: E402
@@ -95,9 +96,11 @@ def main() -> None:
     set_cpu_threads(args.threads)
     model_dir = Path(args.model_dir) if args.model_dir else builtin_model_dir()
     model = load_model(model_dir, dtype=torch.float32, progress=False)
-    v41 = getattr(model.cfg, "arch", "v4") == "v41"
-    drafter, numerics = ("DSpark", f"V4.1 {args.v41_numerics} numerics") if v41 else ("MTP", "fp32")
-    if v41:
+    arch = registry.of(model.cfg)
+    reference = arch.capabilities.reference_numerics  # V4.1: its numerics modes (engine/v41/numerics.py)
+    drafter = {"mtp": "MTP", "dspark": "DSpark"}[arch.capabilities.drafter]
+    numerics = f"{arch.display_name} {args.v41_numerics} numerics" if reference else "fp32"
+    if reference:
         from engine.v41.numerics import Numerics
 
         model.numerics = Numerics(row_independent=args.v41_numerics == "row-independent")

@@ -40,10 +40,11 @@ def _model_dir(work: Path, arch: str) -> Path:
 
 
 def _load(work: Path, arch: str, dspark: bool = False):
+    from engine.models import registry
     from engine.weights import load_model
 
     model = load_model(_model_dir(work, arch), progress=False, load_mtp=dspark)
-    if arch == "v41":
+    if registry.of(model.cfg).capabilities.reference_numerics:  # V4.1: serve's fast numerics, not the reference's
         from engine.v41.numerics import Numerics
 
         model.numerics = Numerics(exact=False)

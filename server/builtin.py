@@ -33,27 +33,16 @@ def cache_root() -> Path:
 
 def make_model_dir(out_dir: str | Path, preset: str, seed: int = 0, layout: str = "upstream", dtype: str = "bf16",
                    quantize: str | None = None, arch: str = "v4", **overrides) -> Path:
-    """Write a random-weight checkpoint plus tokenizer (what `ringserve make-model` does);
-    overrides replace V4 preset fields. arch 'v41' writes a DeepSeek-V4.1 release-format
-    directory (its own layout and dtypes); its only override is `vision=True` (the preset's
-    vision tower)."""
-    if arch == "v41":
-        from engine.v41.checkpoint import write_v41_checkpoint
+    """Write a random-weight checkpoint plus tokenizer (what `ringserve make-model` does) through
+    the architecture `arch` names (engine/models/ `write_checkpoint`): V4 takes preset field
+    overrides; 'v41' writes a DeepSeek-V4.1 release-format directory (its own layout and dtypes),
+    whose only override is `vision=True` (the preset's vision tower). ValueError names an option
+    the architecture does not take."""
+    from engine.models import registry
 
-        vision = bool(overrides.pop("vision", False))
-        if overrides:
-            raise ValueError(f"preset overrides are for V4 checkpoints, got {sorted(overrides)}")
-        return write_v41_checkpoint(out_dir, preset, seed=seed, quantize=quantize, vision=vision)
-    import torch
-
-    from engine.checkpoint import preset_config, random_state, write_checkpoint
-    from tokenization.synthetic_bpe import write_tokenizer
-
-    cfg = preset_config(preset, **overrides)
-    torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
-    out = write_checkpoint(out_dir, cfg, random_state(cfg, seed), layout=layout, dtype=torch_dtype, quantize=quantize)
-    write_tokenizer(out, cfg.vocab_size)
-    return out
+    vision = bool(overrides.pop("vision", False))
+    return registry.get(arch).write_checkpoint(out_dir, preset, seed=seed, quantize=quantize, layout=layout,
+                                               dtype=dtype, vision=vision, **overrides)
 
 
 def trained_model_dir() -> Path | None:

@@ -3,12 +3,13 @@
 Per rank: the bytes of its weights by kind, the KV pool that the GPU memory leaves after the
 weights and a stated reserve, and how many sequences of a given context fit in it. Computed
 by the code that allocates, never by a formula beside it:
-  * the model is built on the meta device by `engine.weights.build_model` with the stored
+  * the model is built on the meta device by its architecture (engine/models/ `meta_model`;
+    V4: `engine.weights.build_model`) with the stored
     dtypes (`--weight-dtype auto`: the checkpoint's own formats when MODEL is a checkpoint
     directory, else `quantization_config`; `bf16`: the upcast) and the rank's expert share
     (with expert parallelism (E + R) / N slots per MoE layer, placed by `engine.eplb`;
     without it every rank holds every expert);
-  * DeepSeek-V4.1 (a release config.json, `text_config` inside): `engine.v41.weights.build_v41`
+  * DeepSeek-V4.1 (a release config.json, `text_config` inside): engine/v41/meta.py
     with the release's dtypes and storage (a checkpoint's headers, else `quantization_config`);
     expert parallelism splits the backbone's MoE layers only, every rank holding each DSpark
     stage whole (as the engine places them); the Engram tables count as their own kind;
@@ -134,108 +135,29 @@ def _engram_tables(model) -> dict[str, int]:
     return out
 
 
-def _formats(model, cfg, source: Path, weight_dtype: str) -> dict:
-    from engine.weight_formats import formats_from_config
-    from engine.weights import checkpoint_formats
-
-    if weight_dtype == "bf16":
-        return {}
-    if source.is_dir() and (any(source.glob("*.safetensors"))):
-        return checkpoint_formats(source, model)
-    return formats_from_config(model, cfg)
-
-
 def build_rank_model(source: Path, ranks: int, expert_parallel: bool, redundant: int, weight_dtype: str,
                      mtp: bool = True):
     """(config, rank 0's model on the meta device in bf16 with its stored formats and share)."""
-    import torch
-
     from engine.config import ModelConfig
-    from engine.weights import build_model, configure
+    from engine.models import registry
 
     cfg = ModelConfig.from_model_dir(source)
+    arch = registry.of(cfg)
     with_mtp = mtp and cfg.num_nextn_predict_layers > 0
-    if cfg.arch == "v41":
-        return cfg, _build_v41_rank(cfg, source, ranks, expert_parallel, redundant, weight_dtype, with_mtp)
-    model = build_model(cfg, with_mtp, dtype=torch.bfloat16)
     experts = None
-    if expert_parallel:
-        layers = cfg.num_layers + (cfg.num_nextn_predict_layers if with_mtp else 0)
+    if expert_parallel:  # the MoE layers the architecture splits (V4.1: the backbone's, not DSpark's)
+        layers = len(arch.moe_layer_ids(cfg, cfg.num_nextn_predict_layers if with_mtp else 0))
         experts = rank_experts(layers, cfg.n_routed_experts, ranks, redundant)
-    configure(model, _formats(model, cfg, source, weight_dtype), experts)
-    return cfg, model
-
-
-def _build_v41_rank(cfg, source: Path, ranks: int, expert_parallel: bool, redundant: int, weight_dtype: str,
-                    with_dspark: bool):
-    """Rank 0's V4.1 model on meta, in the order `load_v41` builds it: the release dtypes of
-    `V41Model` (no cast), the stored formats, then the expert share — of the backbone's MoE
-    layers only: the DSpark stages stay whole on every rank (engine/expert_parallel.py
-    `moe_layer_ids`)."""
-    from engine.v41.weights import build_v41, moe_layers
-
-    model = build_v41(cfg, with_dspark)
-    for path, fmt in _v41_formats(model, cfg, source, weight_dtype).items():
-        model.get_submodule(path).set_format(fmt)
-    if expert_parallel:
-        experts = rank_experts(cfg.num_layers, cfg.n_routed_experts, ranks, redundant)
-        for layer, moe in moe_layers(model):
-            if layer in experts:
-                moe.experts.select(experts[layer])
-    return model
-
-
-def _v41_formats(model, cfg, source: Path, weight_dtype: str) -> dict:
-    """Module path → stored format: a checkpoint's from its headers (as `load_v41` reads them),
-    else what the release's `quantization_config` describes."""
-    from engine.v41.weights import _targets, model_shards
-    from engine.weights import _Checkpoint, stored_formats
-
-    if weight_dtype == "bf16":
-        return {}
-    if source.is_dir() and any(source.glob("*.safetensors")):
-        ckpt = _Checkpoint(model_shards(source))
-        targets = _targets(ckpt, {n for n, _ in model.named_parameters()}, len(model.mtp) > 0,
-                           getattr(model, "encoder", None) is not None)
-        return stored_formats(model, ckpt, targets)
-    return v41_formats_from_config(model, cfg)
-
-
-def v41_formats_from_config(model, cfg) -> dict:
-    """The V4.1 release's storage (engine/v41/checkpoint.py, which writes it): FP8 e4m3 with E8M0
-    `weight_block_size` blocks for the projections it names, FP8 Engram tables with one scale per
-    row per 32, FP4 routed experts (one scale per 32 along K); {} for an unquantized config."""
-    import torch
-
-    from engine.linear import QuantWeight, RoutedExperts, WeightFormat
-    from engine.v41.checkpoint import fp8_stored
-    from kernels.reference import FP4_GROUP
-
-    q = cfg.quantization or {}
-    if q.get("quant_method") != "fp8":
-        return {}
-    scale_dtype = torch.float8_e8m0fnu if q.get("scale_fmt") == "ue8m0" else torch.float32
-    dense = WeightFormat.fp8(tuple(q.get("weight_block_size", (32, 32))), scale_dtype)
-    experts = WeightFormat.fp4(FP4_GROUP, scale_dtype) if q.get("expert_dtype") == "fp4" else dense
-    plan = {}
-    for path, module in model.named_modules():
-        if isinstance(module, RoutedExperts):
-            plan[f"{path}.w13"] = plan[f"{path}.w2"] = experts
-        elif isinstance(module, QuantWeight) and path.endswith("engram.embed"):
-            plan[path] = WeightFormat.fp8((1, FP4_GROUP), scale_dtype)  # a row's 32-value groups
-        elif isinstance(module, QuantWeight) and fp8_stored(f"{path}.weight"):
-            plan[path] = dense
-    return plan
+    return cfg, arch.meta_model(cfg, source, weight_dtype, with_mtp, experts)
 
 
 def fit_sequences(model, kv_dtype: str, context: int, budget: int, block_size: int, max_tokens: int):
     """(sequences, KVCache or None): the most sequences of `context` tokens whose blocks the pools
     that `KVCache.for_model` (V4.1: `V41KVCache.for_model`) allocates (on meta) within `budget`
     bytes can hold at once."""
-    from engine.kv_cache import KVCache
-    from engine.v41.kv_cache import V41KVCache
+    from engine.models import registry
 
-    sizing = V41KVCache if model.cfg.arch == "v41" else KVCache
+    sizing = registry.of(model.cfg).cache_class()
 
     blocks_per_seq = -(-context // block_size)
 

@@ -183,14 +183,13 @@ class Multimodal:
     @classmethod
     def for_model(cls, model_cfg, *, language_model_only: bool = False, limit: int = DEFAULT_IMAGE_LIMIT,
                   policy: MediaPolicy | None = None) -> "Multimodal":
-        from engine.v41.vision.frontend import VisionFrontend
+        from engine.models import registry
 
-        frontend = VisionFrontend.from_config(model_cfg)
+        arch = registry.of(model_cfg)  # its multimodal input stage, if any (engine/models/base.py)
+        frontend = arch.input_processor(model_cfg)
         refusal = None
-        if getattr(model_cfg, "v41", None) is None:
-            refusal = "this model takes no image input (DeepSeek-V4 is text only)"
-        elif frontend is None:
-            refusal = "this model takes no image input (its checkpoint has no vision tower)"
+        if frontend is None:
+            refusal = arch.images_refusal(model_cfg)
         elif language_model_only:
             refusal = "this model was started with --language-model-only: image input is disabled"
         return cls(frontend, limit, policy, refusal)

@@ -136,7 +136,7 @@ def _has_internal_channels(args: argparse.Namespace) -> bool:
 async def serve_headless(args: argparse.Namespace) -> int:
     """A node other than the head: join it, run this node's ranks, relay their messages."""
     from server.builtin import builtin_model_dir
-    from server.cli import engine_config_from, parallel_config_from
+    from server.engine_args import engine_config_from, parallel_config_from
     from server.node import HeadlessNode
 
     model_dir = Path(args.model_dir) if args.model_dir else builtin_model_dir()
@@ -144,7 +144,7 @@ async def serve_headless(args: argparse.Namespace) -> int:
     config = replace(engine_config_from(args), kv_transfer=kv_transfer_config_from(args, model_dir))
     check_pd_listeners(args, config.kv_transfer, cluster_auth.current())
     from engine.config import ModelConfig
-    from server.cli import multimodal_from
+    from server.engine_args import multimodal_from
 
     images = multimodal_from(args, ModelConfig.from_model_dir(model_dir))
     node = HeadlessNode(model_dir, config.resolved(), parallel, device=args.device,
@@ -170,7 +170,9 @@ async def serve_headless(args: argparse.Namespace) -> int:
 def chat_family(args: argparse.Namespace, model_cfg) -> str:
     """The chat format --tokenizer-mode picks for this checkpoint; vLLM's parser flags, when
     given, must name the same format."""
-    family = resolve_mode(args.tokenizer_mode, {"v4": "deepseek_v4", "v41": "deepseek_v41"}.get(model_cfg.arch, ""))
+    from engine.models import registry
+
+    family = resolve_mode(args.tokenizer_mode, registry.of(model_cfg).chat_family)
     for flag in ("reasoning_parser", "tool_call_parser"):
         value = getattr(args, flag)
         if value is not None and value != family:
@@ -182,7 +184,7 @@ def chat_family(args: argparse.Namespace, model_cfg) -> str:
 async def serve(args: argparse.Namespace) -> int:
     from engine.config import ModelConfig
     from server.builtin import builtin_model_dir
-    from server.cli import engine_config_from, multimodal_from, parallel_config_from
+    from server.engine_args import engine_config_from, multimodal_from, parallel_config_from
     from server.engine_client import EngineClient
     from server.tokenizer import Tokenizer
 

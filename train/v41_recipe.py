@@ -1,8 +1,8 @@
 """The built-in recipe for DeepSeek-V4.1: `ringserve train-builtin OUT_DIR --arch v41`.
 
 The same corpus, tokenizer, schedule, resumable state and recipe.json as the V4 recipe
-(train/recipe.py, whose data preparation, batches and learning-rate schedule it reuses), with
-the V4.1 model of train/v41.py: the backbone's next-token loss, the DSpark stages' block loss
+(train/recipe.py; both take their data preparation, batches and learning-rate schedule from
+train/common.py), with the V4.1 model of train/v41.py: the backbone's next-token loss, the DSpark stages' block loss
 (weight --mtp-weight; the release calls the stages `mtp.*`) and confidence loss, the indexers'
 KL, aux-loss-free router balancing. V4.1's numerics are fixed by the model (bf16 activations,
 QAT quantizers), so --precision and --export-dtype do not apply: the export is the release's
@@ -22,13 +22,13 @@ from pathlib import Path
 
 import torch
 
-from . import evaluate, recipe, resume, v41, v41_eval
+from . import common, evaluate, resume, v41, v41_eval
 
 logger = logging.getLogger("train")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    recipe.add_arguments(p)
+    common.add_arguments(p)
     p.add_argument("--arch", choices=["v41"], default="v41", help="the model family (this parser: V4.1)")
     p.add_argument("--dspark-anchors", type=int, default=64,
                    help="DSpark anchors drawn per training window (0 = every position)")
@@ -53,7 +53,7 @@ def _losses_of(model: v41.Model, window: torch.Tensor, args: argparse.Namespace,
     return loss, total
 
 
-def train(model: v41.Model, data: recipe.Data, args: argparse.Namespace, log, work: Path) -> dict:
+def train(model: v41.Model, data: common.Data, args: argparse.Namespace, log, work: Path) -> dict:
     """Fixed-step training with the V4 recipe's save / resume / export-saved-state protocol."""
     params, empty = model.params, torch.nn.Module()  # resume's (lm, mtp) pair: all of V4.1 is one module
     opt = _optimizer(model, args)
@@ -66,8 +66,8 @@ def train(model: v41.Model, data: recipe.Data, args: argparse.Namespace, log, wo
     t0, last = time.perf_counter() - done_s, {}
     for step in range(start, args.steps):
         for group in opt.param_groups:
-            group["lr"] = recipe.learning_rate(step, args)
-        window = recipe._batch(data.train_ids, args, gen)
+            group["lr"] = common.learning_rate(step, args)
+        window = common.sample_batch(data.train_ids, args, gen)
         loss, total = _losses_of(model, window, args, gen)
         if not torch.isfinite(total):
             raise FloatingPointError(f"step {step}: non-finite loss (lm {loss.lm.item()}, dspark {loss.dspark.item()})")
@@ -82,7 +82,7 @@ def train(model: v41.Model, data: recipe.Data, args: argparse.Namespace, log, wo
             mean = [sum(x) / len(recent) for x in zip(*recent)]
             elapsed = time.perf_counter() - t0
             last = {"step": step + 1, "lm": mean[0], "dspark": mean[1], "indexer_kl": mean[2], "confidence": mean[3],
-                    "dspark_accuracy": mean[4:], "grad_norm": float(grad_norm), "lr": recipe.learning_rate(step, args),
+                    "dspark_accuracy": mean[4:], "grad_norm": float(grad_norm), "lr": common.learning_rate(step, args),
                     "elapsed_s": elapsed, "tokens_per_s": (step + 1) * args.batch_size * args.seq_len / elapsed}
             log(last)
             recent = []
@@ -93,7 +93,7 @@ def train(model: v41.Model, data: recipe.Data, args: argparse.Namespace, log, wo
 
 
 @torch.no_grad()
-def evaluate_export(out: Path, model: v41.Model, data: recipe.Data, args: argparse.Namespace) -> dict:
+def evaluate_export(out: Path, model: v41.Model, data: common.Data, args: argparse.Namespace) -> dict:
     """Held-out nats/token and bits/char by the engine (the written checkpoint) and by the
     training model, plus DSpark's teacher-forced accuracy per draft position on held-out text."""
     from engine.weights import load_model
@@ -110,10 +110,10 @@ def evaluate_export(out: Path, model: v41.Model, data: recipe.Data, args: argpar
     return report
 
 
-def run(args: argparse.Namespace, argv: list[str] | None = None) -> tuple[dict, v41.Model, recipe.Data]:
+def run(args: argparse.Namespace, argv: list[str] | None = None) -> tuple[dict, v41.Model, common.Data]:
     """The whole V4.1 recipe; returns (recipe.json's content, the trained model, the data)."""
     out = Path(args.out_dir)
-    work = Path(args.work_dir) if args.work_dir else recipe._default_work_dir()
+    work = Path(args.work_dir) if args.work_dir else common.default_work_dir()
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.threads)
@@ -125,10 +125,10 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> tuple[dict, 
         log_file.flush()
 
     t0 = time.perf_counter()
-    data = recipe.prepare_data(args, out, work)
+    data = common.prepare_data(args, out, work)
     if args.test_data_dir:
-        recipe.write_test_data(data.heldout_pages, Path(args.test_data_dir))
-    device = recipe.training_device(args)
+        common.write_test_data(data.heldout_pages, Path(args.test_data_dir))
+    device = common.training_device(args)
     model = v41.build(v41.geometry(args.geometry, out / "tokenizer.json"), args.seed, device)
     final = train(model, data, args, log, work)
     v41.export_checkpoint(out, model)  # host tensors, whatever the training device

@@ -31,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..models import registry
 from .protocol import GROUPS, expected_blocks
 
 if TYPE_CHECKING:
@@ -106,7 +107,7 @@ def replay_policy(layout: "KVLayout", arch: str, requested: int, receptive_field
     """(replay tokens, alignment of the replay point) for an engine: V4 moves the sliding rows
     unless asked to replay (`requested` > 0); V4.1 always replays: `requested` positions if
     given (bounded, approximate), else the receptive field from a block boundary (exact)."""
-    if arch != "v41" or requested > 0:
+    if not registry.get(arch).capabilities.pd_replays_sliding_state or requested > 0:
         return requested, 1
     return max(1, receptive_field), layout.block_size
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ..checkpoint import _e2m1_codes, _write_shards
+from ..checkpoint import e2m1_codes, write_shards
 from ..config import ModelConfig
 from ..weight_names import v41_export_names
 from .engram import table_rows
@@ -201,7 +201,7 @@ def fp4_rows(w: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, torch.Tens
     r, c = w.shape
     groups = w.view(r, c // group, group)
     scale = _pow2_scale(groups.abs().amax(dim=-1), 6.0)
-    codes = _e2m1_codes((groups / scale[..., None]).clamp(-6, 6)).view(r, c)
+    codes = e2m1_codes((groups / scale[..., None]).clamp(-6, 6)).view(r, c)
     return (codes[:, 0::2] | (codes[:, 1::2] << 4)).view(torch.int8), _e8m0(scale)
 
 
@@ -268,7 +268,7 @@ def write_v41_checkpoint(out_dir: str | Path, preset: str, seed: int = 0, quanti
     cfg = ModelConfig.from_model_dir(out_dir)
     gen = {"bos_token_id": cfg.bos_token_id, "eos_token_id": list(cfg.eos_token_ids), "do_sample": False}
     (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-    _write_shards(out_dir, export_tensors(cfg, random_state(cfg, seed), quantize), 512 * 2**20)
+    write_shards(out_dir, export_tensors(cfg, random_state(cfg, seed), quantize), 512 * 2**20)
     return out_dir
 
 

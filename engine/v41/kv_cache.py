@@ -25,7 +25,7 @@ import torch
 import kernels
 
 from ..block_manager import BlockTable
-from ..kv_cache import KVCache, PagedEntries, PagedRows, Pool, _Slots
+from ..kv_cache import KVCache, PagedEntries, PagedRows, Pool, Slots
 from ..kv_layout import RAW_FORMATS, KVLayout, PoolSpec, build_v41_layout
 from . import records
 from .quant import fake_fp4_index, fake_fp4_kv, fake_fp8
@@ -75,7 +75,7 @@ class V41Sequence:
     def __init__(self, cache: "V41KVCache"):
         self.cache = cache
         self.table = BlockTable()
-        self._slots = _Slots(self.table, cache.layout.block_size, cache.device)
+        self._slots = Slots(self.table, cache.layout.block_size, cache.device)
         self.engram = cache.new_engram_history()
         self.multimodal = None  # the request's images (engine/v41/vision/inputs.py RequestImages), if any
         self._views: dict[tuple[str, int], object] = {}

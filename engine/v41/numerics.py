@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels import model_math
 from kernels.sinkhorn import sinkhorn
 
 from .quant import quantize_fp8
@@ -91,10 +92,8 @@ def softmax(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Statistics and the (bf16) weight product in fp32, one rounding to x.dtype."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
-    return (weight * xf).to(x.dtype)
+    """Statistics and the (bf16) weight product in fp32, one rounding to x.dtype (the shared norm)."""
+    return model_math.rms_norm(x, weight, eps)
 
 
 # ---- the three GEMM kinds ------------------------------------------------------------------------
@@ -143,20 +142,9 @@ def fp32_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def rope_freqs(rope_dim: int, theta: float, yarn) -> torch.Tensor:
-    """fp32 [rope_dim/2] angular frequencies; YaRN (no mscale) blends the interpolated ones in."""
-    freqs = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim))
-    if yarn is None:
-        return freqs
-
-    def pair_of(rotations: float) -> float:
-        return rope_dim * math.log(yarn.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
-            2 * math.log(theta))
-
-    low = max(math.floor(pair_of(yarn.beta_fast)), 0)
-    high = min(math.ceil(pair_of(yarn.beta_slow)), rope_dim - 1)
-    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
-    keep = 1 - ramp
-    return freqs / yarn.factor * (1 - keep) + freqs * keep
+    """fp32 [rope_dim/2] angular frequencies; YaRN (no mscale) blends the interpolated ones in,
+    rounded as V4.1's reference (kernels/model_math.py `yarn_inv_freq`, quotient)."""
+    return model_math.yarn_inv_freq(rope_dim, theta, yarn, quotient=True)
 
 
 def rotation(positions: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
@@ -253,11 +241,10 @@ def split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
 
 
 def hc_collapse(stream: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-    """Σ_k pre_k · H_k in fp32, rounded to bf16: [T, hc, D] × [T, hc] → [T, D]."""
-    return torch.sum(pre[..., None] * stream.float(), dim=1).to(stream.dtype)
+    """Σ_k pre_k · H_k in fp32, rounded to bf16: [T, hc, D] × [T, hc] → [T, D] (the shared collapse)."""
+    return model_math.hc_collapse(stream, pre)
 
 
 def hc_expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """H'_k = post_k · y + Σ_j comb[j, k] · H_j in fp32, rounded to bf16 (the stream is bf16)."""
-    mixed = torch.sum(comb[..., None] * residual[:, :, None, :].float(), dim=1)
-    return (post[..., None] * y[:, None, :].float() + mixed).to(y.dtype)
+    return model_math.hc_expand(residual, y, post, comb, accumulate="fp32")

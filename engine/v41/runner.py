@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from ..attention_backend import StepSeq
-from ..model_runner import ModelRunner, _Drafts
+from ..model_runner import ModelRunner, Drafts
 from .attention import Chunk
 from .dspark import DSpark
 from .expert_parallel import idle_forward
@@ -142,7 +142,7 @@ class V41ModelRunner(ModelRunner):
         if not live:
             return None, host
         tokens = torch.tensor(blocks, dtype=torch.long, device=self.device)  # [R, num_drafts]
-        return _Drafts(live, tokens, None), host  # greedy drafts: one-hot (no probabilities)
+        return Drafts(live, tokens, None), host  # greedy drafts: one-hot (no probabilities)
 
     def _draft_step(self, out: ForwardOut, pending) -> tuple[V41StaticStep, torch.Tensor] | None:
         """After an eager step: a static q = 1 step at each sampling request's last position
@@ -168,7 +168,7 @@ class V41ModelRunner(ModelRunner):
         return step, out.main_hidden[torch.tensor(hidden, device=self.device)]
 
     def _drafts(self, step: V41StaticStep, main_hidden: torch.Tensor, pending, sample,
-                num_drafts: int) -> _Drafts | None:
+                num_drafts: int) -> Drafts | None:
         """Run a static step's DSpark program: every pending request drafts after the token its
         verification emitted (the anchor), at its position moved by its acceptance count."""
         accepted = sample.num_accepted  # [n]
@@ -176,7 +176,7 @@ class V41ModelRunner(ModelRunner):
         drafts = step.draft(main_hidden, accepted, anchor)  # [n, block]
         if not num_drafts:
             return None
-        return _Drafts(list(range(len(pending))), drafts[:, :num_drafts].contiguous(), None)
+        return Drafts(list(range(len(pending))), drafts[:, :num_drafts].contiguous(), None)
 
 
 def _meets_image(seq, start: int, end: int) -> bool:

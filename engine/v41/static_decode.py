@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..attention_backend import StepSeq
-from ..cuda_graphs import Key, StaticDecodeBackend, StaticStep, _Shape
+from ..cuda_graphs import Key, Shape, StaticDecodeBackend, StaticStep
 from ..decode_batch import DecodeBatch
 from . import numerics as nx
 from .static_dspark import draft, observe
@@ -36,12 +36,12 @@ from .static_forward import StepContext, row_groups, static_forward, static_logi
 
 
 @dataclass
-class _ModelShape(_Shape):
+class _ModelShape(Shape):
     engram_rows: list[torch.Tensor] | None = None  # per Engram layer [B·q, cols, head_dim], host tables only
 
 
 @dataclass
-class _DraftShape(_Shape):
+class _DraftShape(Shape):
     accepted: torch.Tensor | None = None  # [B] int64: drafts each sequence's verification accepted
     anchor: torch.Tensor | None = None  # [B] int64: the token it emitted after them
 
@@ -49,7 +49,7 @@ class _DraftShape(_Shape):
 class V41StaticStep(StaticStep):
     """A filled 'model' shape; `draft` runs DSpark on the same tables."""
 
-    def __init__(self, backend: "V41StaticBackend", shape: _Shape, num_rows: int, key: Key):
+    def __init__(self, backend: "V41StaticBackend", shape: Shape, num_rows: int, key: Key):
         super().__init__(backend, shape, num_rows)
         self.key = key
 
@@ -104,7 +104,7 @@ class V41StaticBackend(StaticDecodeBackend):
                           for r in rows])
 
     # ---- shapes -------------------------------------------------------------------------------
-    def _allocate(self, key: Key) -> _Shape:
+    def _allocate(self, key: Key) -> Shape:
         kind, size, q, bucket = key
         device, cfg = self.cache.device, self.model.cfg
         if kind == "dspark":  # the tables of the target shape of the same (B, q, C)
@@ -131,14 +131,14 @@ class V41StaticBackend(StaticDecodeBackend):
         return keys + [("dspark", *k[1:]) for k in keys] if self.dspark else keys
 
     # ---- the programs -------------------------------------------------------------------------
-    def _context(self, shape: _Shape) -> StepContext:
+    def _context(self, shape: Shape) -> StepContext:
         model, batch = self.model, shape.batch
         positions = batch.positions
         return StepContext(batch, self.cache, row_groups(batch.num_seqs, batch.tokens_per_seq, positions.device),
                            nx.rotation(positions, model.freqs_main), nx.rotation(positions, model.freqs_compress),
                            model.freqs_compress, getattr(shape, "engram_rows", None) or [])
 
-    def _forward(self, shape: _Shape) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward(self, shape: Shape) -> tuple[torch.Tensor, torch.Tensor | None]:
         """'model': (main hidden [B·q, ...] (x when there is no DSpark), logits [B·q, V] fp32);
         'dspark': (drafts [B, block], None)."""
         with nx.numerics(self.model.numerics):

@@ -31,7 +31,7 @@ from torch import nn
 
 from ..config import ENGRAM_TABLES, WEIGHT_DTYPES, ModelConfig
 from ..weight_names import Target, v41_target_of
-from ..weights import WeightLoadError, _Checkpoint, _Filler, _is_scale, shard_files, stored_formats
+from ..weights import Checkpoint, Filler, WeightLoadError, is_scale, shard_files, stored_formats
 from .dspark import DSparkStage
 from .model import V41Model
 from .vision.encoder import internal_name as vision_internal_name
@@ -59,10 +59,10 @@ def moe_layers(model: V41Model) -> list[tuple[int, nn.Module]]:
     return [(i, b.ffn) for i, b in enumerate(model.layers)] + [(s.layer, s.ffn) for s in model.mtp]
 
 
-def _targets(ckpt: _Checkpoint, expected: set[str], load_stages: bool, load_encoder: bool) -> dict:
+def targets_of(ckpt: Checkpoint, expected: set[str], load_stages: bool, load_encoder: bool) -> dict:
     out = {}
     for name in ckpt.location:
-        if _is_scale(name, ckpt.location):
+        if is_scale(name, ckpt.location):
             continue
         if name.startswith("mtp.") and not load_stages:
             out[name] = None  # read nothing, but account for it
@@ -108,12 +108,12 @@ def load_v41(model_dir: str | Path, device: str = "cpu", progress: bool = False,
         raise ValueError(f"engram_tables must be one of {', '.join(ENGRAM_TABLES)}, got {engram_tables!r}")
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_model_dir(model_dir)
-    ckpt = _Checkpoint(model_shards(model_dir))
+    ckpt = Checkpoint(model_shards(model_dir))
     has_stages = any(n.startswith("mtp.") for n in ckpt.location)
     model = build_v41(cfg, load_mtp and has_stages and cfg.num_nextn_predict_layers > 0,
                       with_encoder=not language_model_only)
     names = {n for n, _ in model.named_parameters()}
-    targets = _targets(ckpt, names, len(model.mtp) > 0, model.encoder is not None)
+    targets = targets_of(ckpt, names, len(model.mtp) > 0, model.encoder is not None)
     if weight_dtype == "auto":
         for path, fmt in stored_formats(model, ckpt, targets).items():
             model.get_submodule(path).set_format(fmt)
@@ -125,7 +125,7 @@ def load_v41(model_dir: str | Path, device: str = "cpu", progress: bool = False,
     # Host tables are the checkpoint's own mapped pages: the ranks of a node share one copy.
     tables = frozenset(p for p, _ in model.named_modules() if p.endswith(".engram.embed")) \
         if engram_tables == "host" else frozenset()
-    filler = _Filler(model, ckpt, adopt=tables)
+    filler = Filler(model, ckpt, adopt=tables)
     with torch.no_grad():
         for name, target in targets.items():
             filler.fill(name, target)

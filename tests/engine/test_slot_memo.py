@@ -33,7 +33,7 @@ def test_memoised_slots_follow_every_table_change():
     every answer equals the plain definition, although each range is asked for many times."""
     rng = random.Random(0)
     table = BlockTable(full=[3, 9], sliding=[5, 2], sliding_first=0)
-    slots = kv_cache._Slots(table, BLOCK, "cpu")
+    slots = kv_cache.Slots(table, BLOCK, "cpu")
     for _ in range(400):
         op = rng.random()
         if op < 0.2:
@@ -55,12 +55,12 @@ def test_memoised_slots_follow_every_table_change():
         first = rng.randrange(entries)
         last = rng.randrange(first, entries + 1)
         assert slots.full(first, last, per_record).tolist() == full_slots(table, first, last, per_record)
-    assert len(slots._memo) <= kv_cache._Slots.MEMO_SIZE
+    assert len(slots._memo) <= kv_cache.Slots.MEMO_SIZE
 
 
 def test_a_range_past_the_table_still_raises():
     table = BlockTable(full=[1], sliding=[2], sliding_first=0)
-    slots = kv_cache._Slots(table, BLOCK, "cpu")
+    slots = kv_cache.Slots(table, BLOCK, "cpu")
     with pytest.raises(IndexError):
         slots.full(0, BLOCK + 1, 1)
     with pytest.raises(IndexError):
@@ -77,15 +77,15 @@ def _builds_per_mixed_step(path) -> int:
     engine.step()
     engine.add_request(1, list(range(5, 90)), SamplingParams(max_tokens=5, ignore_eos=True))
     builds = []
-    real = kv_cache._Slots._memoised
+    real = kv_cache.Slots._memoised
 
     def counting(self, key, build):
         return real(self, key, lambda: builds.append(key) or build())
-    kv_cache._Slots._memoised = counting
+    kv_cache.Slots._memoised = counting
     try:
         engine.step()
     finally:
-        kv_cache._Slots._memoised = real
+        kv_cache.Slots._memoised = real
     return len(builds)
 
 
