@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from kernels import reference
-from kernels.model_math import apply_rope, hc_collapse, hc_expand, hc_mix_weights, head_rms_norm, rms_norm
+from kernels.model_math import (apply_rope, clamped_swiglu, hc_collapse, hc_expand, hc_mix_weights, head_rms_norm,
+                                rms_norm)
 from kernels.pool_layout import RAW_DTYPES
 
 # Compute dtypes the decode ops accept (the engine's activations).
@@ -168,13 +169,13 @@ def check_compressor_step(rows, state_pool, row_slots, entry_slots, norm_weight,
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """engine.layers.rms_norm: fp32 statistics and product, result in x.dtype."""
+    """kernels.model_math.rms_norm: fp32 statistics and product, result in x.dtype."""
     xf = x.float()
     return (weight.float() * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """engine.layers.apply_rope on [N, D]: interleaved pairs of the last 2·half channels, in fp32."""
+    """kernels.model_math.apply_rope on [N, D]: interleaved pairs of the last 2·half channels, in fp32."""
     half = cos.shape[-1]
     pairs = x[:, -2 * half:].float().unflatten(-1, (half, 2))
     even, odd = pairs[..., 0], pairs[..., 1]
@@ -269,8 +270,6 @@ def gather_rows_reference(x: torch.Tensor, order: torch.Tensor, k: int) -> torch
 
 
 def swiglu_reference(h: torch.Tensor, limit: float, row_weight: torch.Tensor | None = None) -> torch.Tensor:
-    from engine.layers import clamped_swiglu
-
     i = h.shape[1] // 2
     act = clamped_swiglu(h[:, :i], h[:, i:], limit)
     return act if row_weight is None else act * row_weight.to(act.dtype)[:, None]
