@@ -7,10 +7,10 @@ it from C++ through its Python trampoline) over ZeroMQ instead:
 
   * rank 0 hosts `StoreServer` on a thread of its own, bound to exactly `host:port`;
   * every rank (rank 0 too) uses a `ClusterStore` client;
-  * with a cluster key both ends are CURVE-keyed (server/cluster_auth.py): only holders of the
+  * with a cluster key both ends are CURVE-keyed (ipc/cluster_auth.py): only holders of the
     key complete the handshake, everything is encrypted, and nothing recorded replays;
   * the server's receive loop survives any input: frames, sizes and fields are checked before
-    anything is stored, and every drop is counted and logged (server/channel_guard.py);
+    anything is stored, and every drop is counted and logged (ipc/channel_guard.py);
   * keys, values and the whole store are capped, so no client can make it grow without bound.
 
 Semantics follow TCPStore's (`add` keeps a decimal counter, `compare_set` sets when the current
@@ -31,8 +31,8 @@ import torch.distributed as dist
 import zmq
 from msgspec import Meta, Struct
 
-from server import cluster_auth
-from server.channel_guard import DropLog, HandshakeMonitor
+from ipc import cluster_auth
+from ipc.channel_guard import DropLog, HandshakeMonitor
 
 logger = logging.getLogger(__name__)
 

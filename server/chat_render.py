@@ -58,6 +58,11 @@ class ChatRenderer:
         self.version = _VERSIONS.get(family)
         self.think_end_id = tokenizer.token_to_id(fmt.THINK_END) if self.version else None
 
+    @property
+    def renders_images(self) -> bool:
+        """The format has an image placeholder (DeepSeek-V4.1's encoder; V4's and Jinja's do not)."""
+        return self.version == "v41"
+
     def render(self, chat: ChatRequest) -> Rendered:
         """The prompt text (ProtocolError 400 for what the format cannot say)."""
         if self.version is None:

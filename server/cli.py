@@ -167,7 +167,7 @@ def _cmd_train_builtin(args: argparse.Namespace) -> int:
 
 
 def _cmd_cluster_key(args: argparse.Namespace) -> int:
-    from server.cluster_auth import generate_key, write_key_file
+    from ipc.cluster_auth import generate_key, write_key_file
 
     key = generate_key()
     if args.out is not None:

@@ -39,7 +39,7 @@ from ipc import (Abort, Finished, Heartbeat, IpcError, RingClosed, RingConfig, R
 from ipc.messages import ImageData, Parked
 from ipc.segment import remove_orphans
 
-from .channel_guard import cancel_and_wait
+from ipc.channel_guard import cancel_and_wait
 from .links import LocalLink, NodeChannel, RankLink
 from .router import DPRouter, NoRankAlive
 from .worker_entry import WorkerArgs
@@ -231,7 +231,7 @@ class EngineClient:
                        images: list[ImageData] | None = None) -> AsyncIterator[Output]:
         """Submit a request and yield its output as it arrives, ending with its `Finished`.
         Cancelling the iteration aborts the request in its worker. `kv_transfer_params`: a leg
-        of a PD-disaggregated request (engine.kv_transfer.protocol.KVTransferParams); `images`:
+        of a PD-disaggregated request (ipc.kv_transfer_params.KVTransferParams); `images`:
         its preprocessed images (DeepSeek-V4.1, span starts in the expanded prompt)."""
         rid = self.new_request_id() if request_id is None else request_id
         try:

@@ -126,7 +126,7 @@ async def render_chat(state: AppState, chat) -> tuple[Rendered, tuple[list, list
     if mm is None or mm.refusal is not None:
         raise ProtocolError(mm.refusal if mm is not None else "this server takes no image input", "messages",
                             "images_not_supported")
-    if state.renderer.version != "v41":
+    if not state.renderer.renders_images:
         raise ProtocolError("images need DeepSeek-V4.1's chat format (--tokenizer-mode deepseek_v41)", "messages",
                             "images_not_supported")
     marked = multimodal.mark_images(chat.messages)

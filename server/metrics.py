@@ -50,7 +50,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
 from prometheus_client.metrics_core import Metric
 
-from .channel_guard import REGISTRY as CHANNEL_REGISTRY
+from ipc.channel_guard import REGISTRY as CHANNEL_REGISTRY
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def _label(value: str) -> str:
 
 
 class _ChannelCounters:
-    """The internal channels' counters (server/channel_guard.py: dropped messages, refused and
+    """The internal channels' counters (ipc/channel_guard.py: dropped messages, refused and
     closed connections), collected into a server's registry with its model_name like every other
     series. They count for the whole process."""
 

@@ -11,7 +11,7 @@ group cannot heal; systemd restarts the node, which joins the next generation). 
 head saying bye, stops the ranks and exits 0. So does any of its relay tasks dying (status 1,
 with the cause): a node never runs half alive.
 
-The connection is keyed like the head's port (server/cluster_auth.py): a head that refuses this
+The connection is keyed like the head's port (ipc/cluster_auth.py): a head that refuses this
 node's handshake (the cluster keys differ, or only one side has one) ends the join at once with
 one line saying so, rather than after the rendezvous timeout. What the head sends is checked
 like anything else received: a message that does not decode, or names a rank or a channel this
@@ -33,8 +33,8 @@ from ipc import Shutdown, WorkerReady, decode
 from ipc.errors import IpcError, RingClosed, RingTimeout
 from ipc.segment import remove_orphans
 
-from . import cluster_auth
-from .channel_guard import DropLog, cancel_and_wait, guarded, monitor_socket
+from ipc import cluster_auth
+from ipc.channel_guard import DropLog, cancel_and_wait, guarded, monitor_socket
 from .engine_client import config_digest, request_ring, worker_device
 from .links import LocalLink
 from .node_wire import (DECODE, ENCODE, ENVELOPE_BYTES, NODE_ALIVE_S, TO_RANK, NodeAlive, NodeBye, NodeHello,

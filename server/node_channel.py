@@ -1,6 +1,6 @@
 """The head's side of multi-node data parallelism: one ZeroMQ ROUTER on the rpc port.
 
-Who may connect: with a cluster key, only holders of it (CURVE, server/cluster_auth.py; a
+Who may connect: with a cluster key, only holders of it (CURVE, ipc/cluster_auth.py; a
 stranger fails the handshake and none of its bytes reach this code); without one, the port is on
 loopback (or the operator said --insecure-cluster). Either way the receive loop trusts nothing:
 
@@ -8,7 +8,7 @@ loopback (or the operator said --insecure-cluster). Either way the receive loop 
   * a sender not welcomed yet may only say hello, in at most MAX_HELLO_BYTES (checked before
     decoding); a welcomed node's messages are capped at its ranks' ring capacity;
   * a node speaks only for its own ranks and only on their outgoing channels;
-  * every drop is counted and logged at most once a second per peer (server/channel_guard.py).
+  * every drop is counted and logged at most once a second per peer (ipc/channel_guard.py).
 
 A node sends NodeAlive every NODE_ALIVE_S from its own loop (so also while its ranks load) and
 its ranks send a heartbeat every 0.25 s (from a worker thread, so even during a long step); a
@@ -29,8 +29,8 @@ import zmq.asyncio
 
 from ipc.errors import RingClosed
 
-from . import cluster_auth
-from .channel_guard import DropLog, HandshakeMonitor, cancel_and_wait, guarded
+from ipc import cluster_auth
+from ipc.channel_guard import DropLog, HandshakeMonitor, cancel_and_wait, guarded
 from .node_wire import (DECODE, ENCODE, ENVELOPE_BYTES, FROM_RANK, MAX_HELLO_BYTES, NodeAlive, NodeBye, NodeHello,
                         NodeRefused, NodeWelcome, RankExited, RankMessage, heartbeat_socket)
 from .rank_link import CHANNELS, RankLink

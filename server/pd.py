@@ -22,7 +22,7 @@ from aiohttp import web
 from engine.kv_transfer import registry
 from engine.kv_transfer.config import FAILURE_POLICIES, ROLES, KVTransferConfig
 
-from .cluster_auth import ClusterAuth
+from ipc.cluster_auth import ClusterAuth
 
 _SAMPLE = 64 << 10  # bytes hashed at each sampled offset of a weight file
 

@@ -58,7 +58,7 @@ class GenerationRequest:
     # in each choice's "prompt_logprobs". `echo` with `logprobs` puts them in "logprobs" too.
     score_only: bool = False
     prompt_logprobs: int | None = None
-    kv_transfer_params: Any = None  # PD disaggregation: engine.kv_transfer.protocol.KVTransferParams
+    kv_transfer_params: Any = None  # PD disaggregation: ipc.kv_transfer_params.KVTransferParams
     # Images (chat, DeepSeek-V4.1): the prompt's ipc ImageData in span order, set by prepare_chat;
     # on a PD prefill leg also what its decode leg needs (multimodal.PrefilledImage); on a decode
     # leg the prefill's answer for them (`prefilled_images`).

@@ -19,7 +19,9 @@ from pathlib import Path
 
 from aiohttp import web
 
-from . import cluster_auth, systemd
+from ipc import cluster_auth
+
+from . import systemd
 from .app import make_app
 from .http import Runner
 from .metrics import Metrics

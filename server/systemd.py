@@ -30,7 +30,7 @@ import re
 import socket
 from typing import Callable
 
-from . import cluster_auth
+from ipc import cluster_auth
 
 logger = logging.getLogger(__name__)
 
@@ -281,7 +281,7 @@ def render_unit(serve_args: list[str], *, exec_path: str, user: str | None, drai
     only SIGKILLs the cgroup after the drain had its chance. ``watchdog_s=0`` disables the
     watchdog. ``start_timeout_s`` bounds model loading; the server may extend it with
     :func:`notify_extend_timeout`. ``cluster_key_file`` (an absolute path on the node) is handed to
-    the service with ``LoadCredential=`` (server/cluster_auth.py finds it in
+    the service with ``LoadCredential=`` (ipc/cluster_auth.py finds it in
     ``$CREDENTIALS_DIRECTORY``): never on the command line, unreadable by other services.
     """
     if not os.path.isabs(exec_path):

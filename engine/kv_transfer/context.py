@@ -75,9 +75,9 @@ class ConnectorContext:
 
 
 def shared_key() -> bytes | None:
-    """The HMAC key over kv_transfer_params, derived from the cluster key (server/cluster_auth.py;
+    """The HMAC key over kv_transfer_params, derived from the cluster key (ipc/cluster_auth.py;
     a worker finds it through the environment its server exported), or None without one."""
-    from server import cluster_auth
+    from ipc import cluster_auth
 
     return cluster_auth.current().mac_key(cluster_auth.KV_PARAMS_MAC)
 

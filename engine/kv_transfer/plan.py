@@ -31,8 +31,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ipc.kv_transfer_params import GROUPS
+
 from ..models import registry
-from .protocol import GROUPS, expected_blocks
+from .protocol import expected_blocks
 
 if TYPE_CHECKING:
     from engine.kv_layout import KVLayout

@@ -28,7 +28,6 @@ from typing import Annotated, Any, Literal, Union
 import msgspec
 from msgspec import Meta, Struct
 
-from ipc.kv_transfer_params import GROUPS  # noqa: F401 - plan.py still imports the group order from here
 from ipc.kv_transfer_params import NAME_PATTERN, HexHash, KVTransferParams, TransferId
 
 MAX_IDS_PER_NOTIFICATION = 1024

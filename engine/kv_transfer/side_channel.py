@@ -3,7 +3,7 @@
 A transport's metadata is what reaches its registered memory (NIXL: UCX addresses and the keys of
 its registered memory, enough to READ that memory). NIXL's own metadata listener answers anyone,
 on every interface; ringserve leaves it off and serves the metadata itself from one ZeroMQ ROUTER bound to the prefill's
-advertised address and keyed with the cluster secret (CURVE, server/cluster_auth.py): only a
+advertised address and keyed with the cluster secret (CURVE, ipc/cluster_auth.py): only a
 holder of the key gets an answer, and a stranger's bytes never reach the decoder. Without a key
 the server refuses to bind it off loopback (unless --insecure-cluster; server/pd.py).
 
@@ -11,7 +11,7 @@ One round trip: reader → server `MetadataRequest{name, metadata}`; the server 
 metadata (so that it can answer the reader's Hello notification, peer_transport.py) and replies
 `MetadataReply{name, metadata}` with its own. What arrives is capped in size (by ZeroMQ, before
 allocation, and again here) and decoded into exactly these types; anything else is dropped and
-counted (server/channel_guard.py). Driven by polling from the engine loop's thread, like the
+counted (ipc/channel_guard.py). Driven by polling from the engine loop's thread, like the
 rest of the transport: nothing here blocks.
 """
 from __future__ import annotations
@@ -23,8 +23,8 @@ import zmq
 from msgspec import Meta, Struct
 
 from ipc.kv_transfer_params import EngineId
-from server import cluster_auth
-from server.channel_guard import DropLog, HandshakeMonitor
+from ipc import cluster_auth
+from ipc.channel_guard import DropLog, HandshakeMonitor
 
 MAX_METADATA_BYTES = 16 << 20
 _MAX_MESSAGE_BYTES = MAX_METADATA_BYTES + 1024

@@ -43,7 +43,7 @@ def agent_model(tmp_path_factory) -> Path:
     import torch
 
     from engine.checkpoint import preset_config, random_state, write_checkpoint
-    from server.make_tokenizer import write_tokenizer
+    from tokenization.synthetic_bpe import write_tokenizer
 
     out = tmp_path_factory.mktemp("agent") / "tiny"
     cfg = preset_config("tiny", max_position_embeddings=4096)

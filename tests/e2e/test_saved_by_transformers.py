@@ -21,7 +21,7 @@ STEPS = 8
 
 @pytest.fixture(scope="module")
 def saved_dir(checkpoint_factory, tmp_path_factory):
-    from server.make_tokenizer import write_tokenizer
+    from tokenization.synthetic_bpe import write_tokenizer
 
     source = checkpoint_factory("tiny-upstream", index_topk=64)  # top-k ≥ entries: no index ties
     model = transformers.DeepseekV4ForCausalLM.from_pretrained(source, dtype=torch.float32)

@@ -8,9 +8,9 @@ import stat
 
 import pytest
 
-from server import cluster_auth
+from ipc import cluster_auth
 from server.cli import main
-from server.cluster_auth import ClusterAuth, ClusterKeyError
+from ipc.cluster_auth import ClusterAuth, ClusterKeyError
 from server.systemd import render_unit
 
 

@@ -16,8 +16,8 @@ import zmq
 from engine.distributed import pick_free_port
 from engine.kv_transfer.side_channel import MetadataFetch, MetadataRequest, SideChannelError, SideChannelServer
 from engine.rendezvous_store import MAX_KEY_CHARS, ClusterStore, StoreServer, StoreTimeout
-from server.channel_guard import DROPPED
-from server.cluster_auth import KV_SIDE_CHANNEL, RENDEZVOUS_STORE, ClusterAuth, generate_key
+from ipc.channel_guard import DROPPED
+from ipc.cluster_auth import KV_SIDE_CHANNEL, RENDEZVOUS_STORE, ClusterAuth, generate_key
 
 NO_KEY = ClusterAuth(None)
 
@@ -162,7 +162,7 @@ def test_the_side_channel_drops_bad_requests_and_serves_only_holders_of_the_key(
 def test_the_drops_are_on_metrics_with_the_servers_model_name():
     from prometheus_client.parser import text_string_to_metric_families
 
-    from server.channel_guard import DropLog
+    from ipc.channel_guard import DropLog
     from server.metrics import Metrics
 
     before = _dropped("node-channel", "frames")

@@ -16,8 +16,8 @@ import zmq
 import zmq.asyncio
 
 from engine.distributed import pick_free_port
-from server.channel_guard import DROPPED, REFUSED
-from server.cluster_auth import NODE_CHANNEL, ClusterAuth, generate_key
+from ipc.channel_guard import DROPPED, REFUSED
+from ipc.cluster_auth import NODE_CHANNEL, ClusterAuth, generate_key
 from server.links import DECODE, ENCODE, NodeAlive, NodeChannel, NodeHello, NodeRefused, NodeWelcome
 from server.node_wire import RankMessage
 
@@ -50,7 +50,7 @@ async def _settle(condition, timeout: float = 5.0) -> bool:
 
 
 def test_bad_input_is_dropped_counted_and_the_real_node_keeps_talking(caplog):
-    caplog.set_level(logging.WARNING, logger="server.channel_guard")
+    caplog.set_level(logging.WARNING, logger="ipc.channel_guard")
 
     async def run():
         port = pick_free_port()
