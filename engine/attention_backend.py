@@ -2,7 +2,7 @@
 
 A backend turns one forward's sequences (`StepSeq`: KV state, first position, tokens) into a
 step context (`prepare`), or declines (None) when it cannot run that step. The context is what
-the model's attention layers call (`attend`, see engine/attention.py) and what the model runner
+the model's attention layers call (`attend`, see engine/v4/attention.py) and what the model runner
 runs (`run`: the target model, or the MTP layer when given input streams, then the logits of
 the rows that need them). Two backends exist:
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import SeqSlice, SequenceContext
+from .v4.attention import SeqSlice, SequenceContext
 
 
 @dataclass(slots=True)

@@ -30,9 +30,9 @@ from .attention_backend import StepSeq
 from .decode_batch import DecodeBatch
 from .draft_chain import KINDS as CHAIN_KINDS
 from .draft_chain import Chain, ChainStep
-from .fused_decode import FusedDecoder
 from .kv_cache import KVCache
-from .model import DeepseekV4
+from .v4.fused_decode import FusedDecoder
+from .v4.model import DeepseekV4
 
 logger = logging.getLogger(__name__)
 
@@ -117,8 +117,8 @@ class StaticDecodeBackend:
         # Sliding blocks a table can hold at a step: the kept window plus the step, across block edges.
         self.sliding_blocks = -(-(cache.manager.keep + 2 * max(self.tokens_per_seq)) // b) + 2
         self.capture = capture and torch.device(cache.device).type == "cuda"
-        # The forward a shape runs: the fused kernels (engine/fused_decode.py; Triton on CUDA,
-        # the CPU kernels on CPU) or the torch static path (engine/attention_decode.py).
+        # The forward a shape runs: the fused kernels (engine/v4/fused_decode.py; Triton on CUDA,
+        # the CPU kernels on CPU) or the torch static path (engine/v4/attention_decode.py).
         self.fused = FusedDecoder(model) if fused else None
         self._shapes: dict[Key, Shape] = {}
         self._chains: dict[tuple[int, int, str], Chain] = {}  # (B, drafts, kind) → the drafting chain

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from . import attention_decode
 from .kv_cache import KVCache
+from .v4 import attention_decode
 
 
 _FIELDS = ("token_ids", "positions", "start", "full_table", "sliding_table", "sliding_first")
@@ -153,7 +153,7 @@ class DecodeBatch:
         return ids * per_block + entry.remainder(per_block)
 
     def attend(self, attn, layer: int, q, kv, x, q_res, rope, comp_rows, idx_rows, rope_table) -> torch.Tensor:
-        """The attention context interface (see engine/attention.py): [T, H, hd] fp32."""
+        """The attention context interface (see engine/v4/attention.py): [T, H, hd] fp32."""
         return attention_decode.attend(attn, layer, q, kv, x, q_res, rope, comp_rows, idx_rows, rope_table, self)
 
     # ---- filling (host side, outside any graph) -------------------------------------------------

@@ -21,7 +21,6 @@ from ipc.prompt_checks import PromptRefused, check_prompt
 from .batch import Batch, StepOutput
 from .config import ConfigError, EngineConfig
 from .cuda_graphs import StaticDecodeBackend
-from .model import DeepseekV4
 from .model_runner import LaunchedStep
 from .models import registry
 from .prefix_cache import PrefixCache, snapshot_slots
@@ -44,7 +43,7 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, model: DeepseekV4, config: EngineConfig = EngineConfig()):
+    def __init__(self, model: torch.nn.Module, config: EngineConfig = EngineConfig()):
         self.config = config = config.resolved()
         self.architecture = arch = registry.of(model.cfg)  # its cache, runner, drafter (engine/models/)
         caps = arch.capabilities
@@ -346,7 +345,7 @@ def _drafts_of(launched: LaunchedStep) -> dict[int, int]:
 def _check_capturable_dispatch(model) -> None:
     """Expert parallelism under CUDA graphs needs the padded all-to-all: the others read split
     sizes (or the largest batch) on the host, which graph capture forbids."""
-    from .all2all import PaddedA2A
+    from .distributed.all2all import PaddedA2A
 
     a2a = next((b.ffn.parallel.a2a for b in model.layers if getattr(b.ffn, "parallel", None) is not None), None)
     if a2a is not None and not isinstance(a2a, PaddedA2A):

@@ -29,8 +29,7 @@ from torch import nn
 
 import kernels
 from kernels.cpu_precision import bf16_operands
-
-from .layers import clamped_swiglu
+from kernels.model_math import clamped_swiglu
 
 SCALE_DTYPES = (torch.float8_e8m0fnu, torch.uint8, torch.float32)  # what the kernels read
 _CODE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp4": torch.int8}

@@ -33,7 +33,6 @@ from .batch import Batch, PromptScores, RequestStepOutput, ScheduledRequest, Ste
 from .cuda_graphs import StaticDecodeBackend, StaticStep
 from .draft_chain import chain_kind
 from .kv_cache import KVCache
-from .model import DeepseekV4
 from .sampler import SamplingRows, logprobs_of, probs_device, ranks_of, sample_device
 from .step_sampling import AheadDrafts, DeviceSample, HostSample, PendingRead, StepSampler, _device_ints, start_read
 
@@ -78,7 +77,7 @@ class _AheadInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: DeepseekV4, cache: KVCache, num_speculative_tokens: int = 0,
+    def __init__(self, model: torch.nn.Module, cache: KVCache, num_speculative_tokens: int = 0,
                  static: StaticDecodeBackend | None = None):
         if num_speculative_tokens and not len(model.mtp):
             raise ValueError("--speculative-tokens needs a checkpoint with MTP weights (num_nextn_predict_layers ≥ 1)")

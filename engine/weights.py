@@ -1,30 +1,16 @@
-"""Load a Hugging Face-format DeepSeek-V4 directory into `DeepseekV4`; `load_model`, the entry
-for every architecture, hands a checkpoint to the one its config.json names (engine/models/).
+"""Safetensors checkpoints into a model, for every architecture.
 
-Reads `config.json`, sharded safetensors (with `model.safetensors.index.json`) or one file,
-in the upstream, transformers or saved-by-transformers tensor layout. Quantized weights are
-  * FP8 e4m3 with one ue8m0 (or fp32) scale per block (`.scale` / `.weight_scale_inv`);
-  * FP4 e2m1 packed two per int8 byte (low nibble = even column) with one ue8m0 scale per 32
-    columns (routed experts, `expert_dtype: fp4`).
-`weight_dtype="auto"` keeps them as stored, in the containers of engine/linear.py (the GEMM
-kernels dequantize tile by tile); `"bf16"` decodes every weight into the compute dtype at
-load (the upcast). Unquantized tensors load in the compute dtype either way (fp32 for the
-leaves the model defines in fp32).
-
-Loading is streamed: the model is planned and built on the meta device, allocated once on the
-target device, and each tensor is read from its shard (safetensors reads lazily, one tensor
-at a time), converted and copied into place. Host memory thus holds the model's share (when
-the device is the CPU) plus one tensor. With `experts`, each MoE layer holds only the given
-logical experts and the other experts' tensors are never read.
-
-Every parameter must be filled exactly once with the right shape; anything else is a
-`WeightLoadError` that names the tensor.
+`load_model` is the entry: the architecture that `config.json` names (engine/models/) builds its
+model and fills it (DeepSeek-V4: engine/v4/weights.py, V4.1: engine/v41/weights.py). What they
+share is here: the shards (`Checkpoint`, lazy by tensor name, headers read without the data),
+FP8 / FP4 decoding (the upcast), the plan of which weight containers keep their stored format
+(`stored_formats`), and `Filler`, which copies tensors into an allocated model and checks that
+every parameter is filled exactly once with the right shape (`WeightLoadError` names the tensor).
 """
 
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
 import torch
@@ -33,19 +19,12 @@ from torch import nn
 
 from .config import WEIGHT_DTYPES, ModelConfig
 from .linear import DENSE, SCALE_DTYPES, GroupedLinear, GroupedWeight, QuantWeight, RoutedExperts, WeightFormat
-from .model import DeepseekV4
 from .models import registry
-from .moe import MoE
-from .mtp import MTPLayer
-from .weight_names import Target, detect_layout, scale_name_of, target_of
+from .weight_names import Target, scale_name_of
 
-logger = logging.getLogger(__name__)
 
 # e2m1 code → value; bit 3 is the sign.
 FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-# Parameter leaves the model defines in fp32, kept so whatever the compute dtype.
-_FP32_LEAVES = frozenset({"norm", "q_norm", "kv_norm", "attn_norm", "ffn_norm", "enorm", "hnorm", "fn", "base",
-                          "scale", "attn_sink", "ape", "gate_bias"})
 # safetensors header dtype names → torch dtypes (what `Checkpoint.info` reports).
 _ST_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu,
               "I8": torch.int8, "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
@@ -56,10 +35,6 @@ _PART_ROWS = ("gate", "up")  # expert parts that fill one half of w13's rows
 
 class WeightLoadError(RuntimeError):
     """A checkpoint that cannot be loaded; the message names the tensor or file."""
-
-
-def keeps_fp32(internal: str) -> bool:
-    return internal.rpartition(".")[2] in _FP32_LEAVES
 
 
 def shard_files(model_dir: Path) -> list[Path]:
@@ -179,86 +154,7 @@ def is_scale(name: str, names: dict[str, Path]) -> bool:
     return name.endswith("_scale_inv") and name[: -len("_scale_inv")] in names
 
 
-# ---- building ----------------------------------------------------------------------------
-
-
-def build_model(cfg: ModelConfig, with_mtp: bool, dtype: torch.dtype | None = None,
-                formats: dict[str, WeightFormat] | None = None,
-                experts: dict[int, list[int]] | None = None) -> DeepseekV4:
-    """The model on the meta device (no storage).
-
-    dtype: the dtype of floating parameters (fp32-defined leaves stay fp32); None keeps fp32.
-    formats: module path of a `QuantWeight` → its stored format (others dense).
-    experts: MoE layer id → the logical experts its local slots hold (MTP layer i is layer
-    num_layers + i); a layer that is not a key holds every expert."""
-    with torch.device("meta"):
-        model = DeepseekV4(cfg)
-        if with_mtp:
-            model.mtp.extend(MTPLayer(cfg, i) for i in range(cfg.num_nextn_predict_layers))
-    if dtype is not None:
-        _cast(model, dtype)
-    configure(model, formats or {}, experts)
-    return model
-
-
-def _cast(model: nn.Module, dtype: torch.dtype) -> None:
-    for path, module in model.named_modules():
-        for name, p in list(module.named_parameters(recurse=False)):
-            want = torch.float32 if keeps_fp32(f"{path}.{name}" if path else name) else dtype
-            if p.is_floating_point() and p.dtype != want:
-                setattr(module, name, nn.Parameter(p.to(want), requires_grad=False))
-
-
-def moe_layers(model: DeepseekV4) -> list[tuple[int, MoE]]:
-    """(layer id, MoE) of every MoE layer: the model's, then MTP's (layer num_layers + i)."""
-    return [(i, block.ffn) for i, block in enumerate(model.layers)] + [(m.layer_id, m.block.ffn) for m in model.mtp]
-
-
-def configure(model: DeepseekV4, formats: dict[str, WeightFormat], experts: dict[int, list[int]] | None) -> None:
-    """Apply a format plan and an expert share to a model on the meta device."""
-    for path, fmt in formats.items():
-        module = model.get_submodule(path)
-        if not isinstance(module, QuantWeight):
-            raise ValueError(f"{path} is not a weight container")
-        module.set_format(fmt)
-    if experts is None:
-        return
-    limit = model.cfg.num_layers + model.cfg.num_nextn_predict_layers
-    bad = [layer for layer in experts if not 0 <= layer < limit]
-    if bad:
-        raise ValueError(f"experts given for layers {bad}; MoE layers are 0..{limit - 1} (MTP after the model's)")
-    for layer, moe in moe_layers(model):
-        if layer in experts:
-            moe.experts.select(experts[layer])
-
-
-def _materialize(model: nn.Module, device: str | torch.device) -> None:
-    """Allocate every parameter and buffer (uninitialised) on `device`, in its storage layout."""
-    model.to_empty(device=device)
-    for module in model.modules():
-        if isinstance(module, GroupedWeight):
-            module.relayout()
-
-
 # ---- planning ----------------------------------------------------------------------------
-
-
-def _targets(ckpt: Checkpoint, layout: str, expected: set[str], load_mtp: bool) -> dict[str, Target | None]:
-    """Checkpoint weight name (scales excluded) → its Target; None for MTP tensors skipped."""
-    out: dict[str, Target | None] = {}
-    for name in ckpt.location:
-        if is_scale(name, ckpt.location):
-            continue
-        target = target_of(name, layout)
-        if target is None or (target.internal.startswith("mtp.") and target.internal not in expected):
-            if name.startswith("mtp.") and not load_mtp:
-                out[name] = None
-                continue
-            raise WeightLoadError(f"unexpected tensor {name} in {ckpt.location[name].name}")
-        if target.internal not in expected:
-            raise WeightLoadError(f"unexpected tensor {name} (no parameter {target.internal} in this config)")
-        out[name] = target
-    return out
 
 
 def _container(model: nn.Module, internal: str) -> QuantWeight | None:
@@ -314,15 +210,6 @@ def _stored_format(ckpt: Checkpoint, name: str, module: QuantWeight, target: Tar
     return fmt
 
 
-def checkpoint_formats(model_dir: str | Path, model: DeepseekV4) -> dict[str, WeightFormat]:
-    """The plan load_model(weight_dtype='auto') makes for `model` (a dense meta build of the
-    checkpoint's config, with or without MTP), from the shards' headers only."""
-    ckpt = Checkpoint(shard_files(Path(model_dir)))
-    names = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
-    targets = _targets(ckpt, detect_layout(list(ckpt.location)), names, load_mtp=len(model.mtp) > 0)
-    return stored_formats(model, ckpt, targets)
-
-
 # ---- filling -----------------------------------------------------------------------------
 
 
@@ -330,7 +217,7 @@ class Filler:
     """Copies checkpoint tensors into an allocated model and keeps the books: what was filled,
     which expert rows, which checkpoint tensors were consumed (read or deliberately skipped)."""
 
-    def __init__(self, model: DeepseekV4, ckpt: Checkpoint, adopt: frozenset[str] = frozenset()):
+    def __init__(self, model: nn.Module, ckpt: Checkpoint, adopt: frozenset[str] = frozenset()):
         """adopt: paths of quantized CPU containers whose stored tensors become their parameters
         as read, with no copy. safetensors maps the file, so those parameters are the page cache's
         pages, shared by every process on the host that loads the same file (read-only use)."""
@@ -478,7 +365,7 @@ class Filler:
 def load_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
                progress: bool = True, load_mtp: bool = True, weight_dtype: str = "auto",
                experts: dict[int, list[int]] | None = None, engram_tables: str = "device",
-               language_model_only: bool = False) -> DeepseekV4:
+               language_model_only: bool = False) -> nn.Module:
     """Build the model described by `model_dir/config.json` and fill it from its safetensors.
 
     dtype: the compute dtype. weight_dtype: 'auto' keeps FP8/FP4 weights as stored, 'bf16'
@@ -494,44 +381,4 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloat16, devic
                             weight_dtype=weight_dtype, experts=experts, engram_tables=engram_tables,
                             language_model_only=language_model_only)
     model.source_dir = model_dir  # where its tokenizer is (structured outputs compile against it)
-    return model
-
-
-def load_v4(model_dir: Path, dtype: torch.dtype = torch.bfloat16, device: str = "cpu", progress: bool = True,
-            load_mtp: bool = True, weight_dtype: str = "auto",
-            experts: dict[int, list[int]] | None = None) -> DeepseekV4:
-    """A DeepSeek-V4 checkpoint (either tensor-name layout) into `DeepseekV4` (see `load_model`)."""
-    cfg = ModelConfig.from_model_dir(model_dir)
-    ckpt = Checkpoint(shard_files(model_dir))
-    layout = detect_layout(list(ckpt.location))
-    has_mtp = any(n.startswith("mtp.") for n in ckpt.location)
-    model = build_model(cfg, with_mtp=load_mtp and has_mtp and cfg.num_nextn_predict_layers > 0, dtype=dtype)
-    targets = _targets(ckpt, layout, {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()},
-                       load_mtp)
-    configure(model, stored_formats(model, ckpt, targets) if weight_dtype == "auto" else {}, experts)
-    _materialize(model, device)
-    filler = Filler(model, ckpt)
-    # No tqdm at all without a progress bar: even disabled, it creates a multiprocessing lock
-    # (a named semaphore) that a worker killed at shutdown would leave behind.
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(targets), desc="loading weights", unit="tensor", leave=False)
-    with torch.no_grad():
-        for name, target in targets.items():
-            filler.fill(name, target)
-            if bar is not None:
-                bar.update()
-    if bar is not None:
-        bar.close()
-    filler.check_complete()
-    leftover = set(ckpt.location) - filler.consumed
-    if leftover:
-        raise WeightLoadError(f"unexpected tensor {sorted(leftover)[0]} (unused scale or extra tensor)")
-    model.rope_main.inv_freq = model.rope_main.inv_freq.to(device)
-    model.rope_compress.inv_freq = model.rope_compress.inv_freq.to(device)
-    model.train(False).requires_grad_(False)  # inference only
-    logger.info("loaded %s (%s layout, %d tensors, %.1f MiB read) as %s, weights %s", model_dir, layout, len(targets),
-                filler.bytes_read / 2**20, dtype, weight_dtype)
     return model

@@ -2,7 +2,7 @@
 
 The loop never spins: with no work it awaits a wake-up event (set by `submit`/`abort`), so an
 idle worker costs no CPU. A rank of an expert-parallel group instead agrees every step with the
-others (engine/lockstep.py) and, when the whole group is idle, parks the same way until a
+others (engine/distributed/lockstep.py) and, when the whole group is idle, parks the same way until a
 request or the engine client's `Wake` arrives. Between steps it yields to the event loop so new
 requests and aborts land before the next schedule. After warm-up it freezes the GC generations (everything alive
 then is long-lived) and runs full collections only while idle, so collection pauses stay out
@@ -22,8 +22,8 @@ from typing import Callable
 
 from ipc.messages import INT64_MAX, Finished, Parked, SamplingParams, StepOutputs
 
+from .distributed.lockstep import IDLE_PARK_S, Lockstep, StepPlan
 from .engine import Engine
-from .lockstep import IDLE_PARK_S, Lockstep, StepPlan
 from .request import RequestError
 
 logger = logging.getLogger(__name__)

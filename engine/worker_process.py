@@ -30,12 +30,12 @@ from ipc.loop import new_event_loop
 from kernels import cpu_precision
 
 from .config import ConfigError, EngineConfig, ModelConfig, ParallelConfig
+from .distributed.expert_parallel import ExpertParallel, experts_to_load, initial_placement
+from .distributed.group import RendezvousError
+from .distributed.lockstep import Lockstep, join_group
 from .engine import Engine, default_dtype
 from .kv_connector import attach_connector
-from .lockstep import Lockstep, join_group
 from .models import registry
-from .distributed import RendezvousError
-from .expert_parallel import ExpertParallel, experts_to_load, initial_placement
 from .weights import WeightLoadError, load_model
 from .worker import Worker
 

@@ -4,7 +4,7 @@ One secret (32 random bytes, written as 64 hex digits) is shared by every node o
 group and by both sides of a prefill/decode pair. Every internal listener is keyed from it:
 
   * the node channel (head ↔ headless nodes, server/links.py, server/node.py),
-  * the rendezvous store of the expert-parallel group (engine/rendezvous_store.py), through which
+  * the rendezvous store of the expert-parallel group (engine/distributed/rendezvous_store.py), through which
     gloo and NCCL exchange their addresses and NCCL its bootstrap id,
   * the KV side channel that hands a prefill's NIXL metadata to a decode
     (engine/kv_transfer/side_channel.py),

@@ -1,6 +1,6 @@
 """CPU (numba) mHC ops of the static decode step: `mhc_mix` and `mhc_expand`, one call each.
 
-The torch references (kernels/triton/mhc_mix.py, mhc_expand.py, i.e. engine/layers.py
+The torch references (kernels/triton/mhc_mix.py, mhc_expand.py, i.e. engine/v4/layers.py
 hc_mix_weights / hc_collapse / rms_norm / hc_expand) are ~20 small torch ops per site plus the
 Sinkhorn loop: at batch 1 that is a few hundred µs of dispatch for a few thousand flops. Here a
 site is one numba call; the wrappers only allocate outputs and view tensors as numpy arrays.
@@ -179,7 +179,7 @@ _NO_NORM = np.zeros(1, np.float32)
 def mhc_mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, sinkhorn_iters: int,
             hc_eps: float, norm_eps: float, collapse: bool = False, precision: str = "ieee",
             norm_weight: torch.Tensor | None = None, out_eps: float = 1e-6) -> tuple[torch.Tensor, ...]:
-    """(pre [T, n], post [T, n], comb [T, n, n]) fp32 as engine.layers.hc_mix_weights, plus the
+    """(pre [T, n], post [T, n], comb [T, n, n]) fp32 as engine.v4.layers.hc_mix_weights, plus the
     collapsed x [T, D] in streams.dtype when ``collapse`` (rms_norm'ed by ``norm_weight`` when
     given). ``precision`` is the Triton kernel's and ignored here."""
     _ref.check_mhc_mix(streams, fn, base, scale)
@@ -230,7 +230,7 @@ def _expand_kernel(streams, y, post, comb, out):
 
 
 def mhc_expand(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """engine.layers.hc_expand(streams, y, post, comb) -> [T, n, D] in streams.dtype."""
+    """engine.v4.layers.hc_expand(streams, y, post, comb) -> [T, n, D] in streams.dtype."""
     t, n, d = streams.shape
     if y.shape != (t, d) or post.shape != (t, n) or comb.shape != (t, n, n):
         raise ValueError(f"y must be [{t}, {d}], post [{t}, {n}], comb [{t}, {n}, {n}]; got {tuple(y.shape)}, "

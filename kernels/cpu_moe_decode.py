@@ -1,6 +1,6 @@
 """A decode step's whole MoE layer on CPU in two numba calls (plus torch's SwiGLU between them).
 
-engine/fused_decode.py's MoE is eleven ops: route, permute, gather, the w13 grouped product,
+engine/v4/fused_decode.py's MoE is eleven ops: route, permute, gather, the w13 grouped product,
 SwiGLU, the w2 grouped product, the shared expert's [w1 | w3] product, its SwiGLU and w2, and
 the combine. At batch 1 on the tiny V4 each op's Python (checks, views, allocations, a parallel
 launch) costs more than its arithmetic: on an AMD EPYC (Zen 4, one thread) the layer took

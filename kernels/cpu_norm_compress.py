@@ -6,7 +6,7 @@ arithmetic; here each is one jitted call behind a thin wrapper, with the same si
 semantics (see the reference modules for the maths and the layouts).
 
 Numerics follow the references' rounding points: fp32 statistics and products, the compute
-dtype's rounding (bf16 RNE via kernels/cpu_numerics.py) exactly where engine/layers.py rounds.
+dtype's rounding (bf16 RNE via kernels/cpu_numerics.py) exactly where engine/v4/layers.py rounds.
 The RMS sum of squares is added in the order of torch's CPU sum kernel (a contiguous inner sum:
 4 interleaved vectors of ``_LANES`` lanes, a level cascade every 16 steps, lanes folded left to
 right; the lane count is probed against torch at import), so norm_rope is bit-identical to its

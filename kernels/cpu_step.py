@@ -1,6 +1,6 @@
 """The whole static decode step on CPU as one jitted call: the CPU's analogue of a captured graph.
 
-engine/fused_decode.py's static forward launches ~100 ops a layer from Python; on a CPU nothing
+engine/v4/fused_decode.py's static forward launches ~100 ops a layer from Python; on a CPU nothing
 hides their dispatch (a batch-1 step of a small model spent most of its time there, not in the
 kernels). Here `run_step` runs the step from the embedding to the logits inside numba, over a
 program that kernels/cpu_step_plan.py builds once per static shape: int64 tables of array

@@ -112,7 +112,7 @@ def silu(x, i, n, chunk, threads):
 @njit(cache=True, error_model="numpy")
 def swiglu_rows(h, limit, out, chunk, threads):
     """out [R, I] = silu(min(gate, limit)) · clamp(up, -limit, limit) for h [R, 2I] = [gate | up]
-    (engine.layers.clamped_swiglu: the clamped gate is a new contiguous [R, I] buffer, so
+    (engine.v4.layers.clamped_swiglu: the clamped gate is a new contiguous [R, I] buffer, so
     element (r, i) is number r·I + i of its silu). NaN passes through both clamps."""
     rows, width = out.shape
     n = rows * width

@@ -1,6 +1,6 @@
 """The program of one static shape for the compiled CPU decode step (kernels/cpu_step.py).
 
-`StepProgram.build(decoder, batch)` walks the model once, as engine/fused_decode.py's forward
+`StepProgram.build(decoder, batch)` walks the model once, as engine/v4/fused_decode.py's forward
 would, and records what every layer reads: numpy views of the weights (the prepared FP8 / FP4
 codes and scales of kernels/cpu_prepared_gemm.py, dense fp32 matrices), of the KV pools, of the
 RoPE tables and of the `DecodeBatch`'s fields, with the sizes and flags the kernels take. A step

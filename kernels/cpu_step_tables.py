@@ -1,4 +1,4 @@
-"""The slot tables of a static decode step (engine/step_meta.py's `StepMeta`) built in numba, for
+"""The slot tables of a static decode step (engine/v4/step_meta.py's `StepMeta`) built in numba, for
 the compiled CPU step (kernels/cpu_step.py).
 
 Same tables, same integers: where each query's window keys live, where this step's keys and

@@ -283,7 +283,7 @@ def check_moe_combine(y: torch.Tensor, weights: torch.Tensor, inverse: torch.Ten
 
 def moe_combine_reference(y: torch.Tensor, weights: torch.Tensor, inverse: torch.Tensor,
                           shared: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """engine/moe.py's weighting, unpermute and sum, then the shared expert's add."""
+    """engine/v4/moe.py's weighting, unpermute and sum, then the shared expert's add."""
     t, k = weights.shape
     rows = y[inverse.long()] * weights.reshape(-1).to(y.dtype)[:, None]
     out = rows.view(t, k, y.shape[1]).sum(dim=1).to(dtype)

@@ -2,7 +2,7 @@
 YaRN), interleaved RoPE, and mHC (mixing weights, collapse, expand, head collapse).
 
 Pure tensor functions (weights are passed in), below the engine: the model code of both
-architectures (engine/layers.py, engine/v41/numerics.py) and the kernels' torch references
+architectures (engine/v4/layers.py, engine/v41/numerics.py) and the kernels' torch references
 (kernels/decode_reference.py) call them. Where the two architectures' references round
 differently, an argument names the variant:
   * `yarn_inv_freq(quotient=...)`: V4 (as transformers) forms the interpolated frequency as

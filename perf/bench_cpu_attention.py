@@ -2,7 +2,7 @@
 (kernels/triton/sparse_mla_decode.py), side by side in one run, at decode shapes.
 
 H = 16 heads, D = 512, bf16 raw pools (the CPU default), a shared window table of W = 128 slots
-(as engine/step_meta.py builds it) plus K per-row entry slots (0: SWA layers; 512: a CSA layer's
+(as engine/v4/step_meta.py builds it) plus K per-row entry slots (0: SWA layers; 512: a CSA layer's
 top-k), this step's own keys, B = 1 / 16 sequences × q = 1 / 3 tokens, one thread. Prints µs per
 call (median, Python overhead included) and the speed-up.
 

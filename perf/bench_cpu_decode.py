@@ -8,11 +8,11 @@ in one step, then --steps decode steps; ms per decode step, and ms for that pref
   head-in  as default, with the LM head inside the compiled call too: the static backend's target
            step calls FusedDecoder.forward_logits instead of forward + DeepseekV4.logits (the change
            proposed for engine/cuda_graphs.py's StaticDecodeBackend._forward; patched here)
-  ops-step the static fused forward op by op (engine/fused_decode.py with the numba kernels of
+  ops-step the static fused forward op by op (engine/v4/fused_decode.py with the numba kernels of
            kernels/cpu_decode.py; FusedDecoder.cpu_step off): the path before the compiled step
   ref-ops  as default, with kernels/cpu_decode.py's ops swapped for their torch references
            (kernels/decode_reference.py): what the numba kernels save
-  per-seq  decode steps on the per-sequence path (`static_decode=False`, engine/attention.py's
+  per-seq  decode steps on the per-sequence path (`static_decode=False`, engine/v4/attention.py's
            SequenceContext: torch ops per sequence and layer)
   tiled    as default, every GEMM on the tiled path (tile decode + sgemm)
   ops-moe  as default, each decode-sized MoE layer op by op (route, permute, gather, products,
@@ -59,10 +59,10 @@ import numpy as np
 import torch
 
 from engine.config import EngineConfig
-from engine.engine import Engine
 from engine.cuda_graphs import StaticDecodeBackend
-from engine.fused_decode import FusedDecoder
+from engine.engine import Engine
 from engine.linear import QuantWeight
+from engine.v4.fused_decode import FusedDecoder
 from engine.weights import load_model
 from ipc.messages import SamplingParams
 from kernels import cpu_decode, cpu_quant_gemm, cpu_step_plan

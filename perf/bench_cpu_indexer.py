@@ -3,7 +3,7 @@
 V4-Flash decode shapes: Hi = 64 index heads x dI = 128, top-k 512, ratio 4; B = 1 and 16
 sequences, q = 1 (and q = 2, a verify step), 600 / 2048 / 16384 visible entries each, fp4_index
 and bf16 key pools of 64-entry blocks, shuffled tables; the table is as wide as the entries
-(max_entries = visible count, as engine/fused_decode.py passes batch.max_context // m), so the
+(max_entries = visible count, as engine/v4/fused_decode.py passes batch.max_context // m), so the
 reference's padding waste is not in these numbers. Prints medians per call including the
 Python wrappers, and reference / numba ratios.
 

@@ -2,7 +2,7 @@
 
 Decode shapes of one mHC site: T = 1 and 16 tokens, n = 4 streams, D = 256 (the tiny test model)
 and 4096 (V4-Flash's hidden size), bf16 streams, fp32 parameters, 20 Sinkhorn iterations,
-mix with the collapse and the block's RMSNorm (as engine/fused_decode.py calls it), then expand.
+mix with the collapse and the block's RMSNorm (as engine/v4/fused_decode.py calls it), then expand.
 Prints medians per call including the Python wrappers, and reference / numba ratios.
 
     python -m perf.bench_cpu_mhc [--repeats N]

@@ -2,7 +2,7 @@
 
 Each EP size spawns that many ranks on 127.0.0.1 (DEP: every rank brings its own --tokens
 tokens; the E experts are split evenly). A step is the routed MoE of one layer: map to slots →
-dispatch → SwiGLU experts on the local slots (grouped GEMMs, as engine/moe.py) → combine, after a
+dispatch → SwiGLU experts on the local slots (grouped GEMMs, as engine/v4/moe.py) → combine, after a
 barrier so the ranks start together. Reported per backend: medians over the steps of the slowest
 rank's times, and the bytes each rank sent to OTHER ranks per token next to the ideal
 tokens·k·H·bytes·2 (dispatch + combine, every row crossing the wire once) and the ideal for
@@ -30,11 +30,11 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from engine import eplb  # noqa: E402
-from engine.all2all import NaiveAllGather, PaddedA2A, SlotLayout, TorchA2A  # noqa: E402
-from engine.distributed import init_group, pick_free_port  # noqa: E402
-from engine.ep_moe import map_to_physical  # noqa: E402
-from engine.layers import clamped_swiglu  # noqa: E402
+from engine.distributed import eplb  # noqa: E402
+from engine.distributed.all2all import NaiveAllGather, PaddedA2A, SlotLayout, TorchA2A  # noqa: E402
+from engine.distributed.ep_moe import map_to_physical  # noqa: E402
+from engine.distributed.group import init_group, pick_free_port  # noqa: E402
+from engine.v4.layers import clamped_swiglu  # noqa: E402
 from perf.machine import cpu_model, set_cpu_threads  # noqa: E402
 
 BACKENDS = ("torch", "padded", "naive")

@@ -40,7 +40,7 @@ def make_model(out: Path, experts: int, top_k: int, hot: list[int] | None = None
     the skew real models show."""
     import torch
 
-    from engine.checkpoint import preset_config, random_state, write_checkpoint
+    from engine.v4.checkpoint import preset_config, random_state, write_checkpoint
 
     cfg = preset_config("tiny", n_routed_experts=experts, num_experts_per_tok=top_k, index_topk=64)
     state = random_state(cfg, 0)
@@ -57,7 +57,7 @@ def experts_of_rank0_at_start(experts: int, redundant: int, ranks: int, k: int) 
     """k logical experts that the starting placement (EPLB of a uniform load) puts on rank 0 only."""
     import numpy as np
 
-    from engine import eplb
+    from engine.distributed import eplb
 
     start = eplb.rebalance(np.ones((1, experts)), ranks, redundant)
     others = {int(e) for r in range(1, ranks) for e in start.local_experts(0, r)}
@@ -117,7 +117,7 @@ async def _serve(model_dir: Path, parallel: ParallelConfig, requests: list[tuple
 def expert_bytes_per_rank(model_dir: Path, parallel: ParallelConfig) -> list[int]:
     """Routed-expert bytes each rank loads (the placement the workers use; the loader reads only these)."""
     from engine.config import ModelConfig
-    from engine.expert_parallel import experts_to_load, initial_placement
+    from engine.distributed.expert_parallel import experts_to_load, initial_placement
 
     cfg = ModelConfig.from_model_dir(model_dir)
     per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 4  # w1, w3, w2 in fp32

@@ -2,9 +2,9 @@
 
 Counts what a GPU would launch for one static-shape decode (or verify) step of the engine's
 `StaticDecodeBackend`, without a GPU, for its two forwards:
-  (a) static: the torch static path (engine/attention_decode.py; `fused=False`), what CUDA graphs
+  (a) static: the torch static path (engine/v4/attention_decode.py; `fused=False`), what CUDA graphs
       captured before the fused step, and
-  (b) fused: engine/fused_decode.py, the path the engine runs on CUDA, with its Triton kernels
+  (b) fused: engine/v4/fused_decode.py, the path the engine runs on CUDA, with its Triton kernels
       run under the interpreter (`kernels.devices.triton_on_cpu`),
 on identical copies of the KV pools. A TorchDispatchMode sees every aten op; each counts as one
 launch except views and allocations (no kernel). Calls of `kernels.*` ops outside the Triton
@@ -41,12 +41,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kernels  # noqa: E402
 from kernels import sinkhorn  # noqa: E402
-from engine import fused_decode, linear  # noqa: E402
-from engine.attention import SeqSlice, SequenceContext  # noqa: E402
+from engine import linear  # noqa: E402
 from engine.attention_backend import StepSeq  # noqa: E402
-from engine.checkpoint import preset_config, random_state, write_checkpoint  # noqa: E402
 from engine.cuda_graphs import StaticDecodeBackend  # noqa: E402
 from engine.kv_cache import KVCache  # noqa: E402
+from engine.v4 import fused_decode  # noqa: E402
+from engine.v4.attention import SeqSlice, SequenceContext  # noqa: E402
+from engine.v4.checkpoint import preset_config, random_state, write_checkpoint  # noqa: E402
 from engine.weights import load_model  # noqa: E402
 from kernels.devices import triton_on_cpu  # noqa: E402
 from perf.machine import cpu_model  # noqa: E402

@@ -19,11 +19,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.attention import SeqSlice, SequenceContext  # noqa: E402
-from engine.checkpoint import preset_config, random_state, write_checkpoint  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.kv_cache import KVCache  # noqa: E402
+from engine.v4.attention import SeqSlice, SequenceContext  # noqa: E402
+from engine.v4.checkpoint import preset_config, random_state, write_checkpoint  # noqa: E402
 from engine.weights import load_model  # noqa: E402
 from ipc.messages import SamplingParams  # noqa: E402
 from perf.machine import header  # noqa: E402

@@ -20,8 +20,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.attention import SeqSlice  # noqa: E402
-from engine.checkpoint import preset_config, random_state, write_checkpoint  # noqa: E402
+from engine.v4.attention import SeqSlice  # noqa: E402
+from engine.v4.checkpoint import preset_config, random_state, write_checkpoint  # noqa: E402
 from engine.weights import load_model  # noqa: E402
 from perf.machine import header, set_cpu_threads  # noqa: E402
 

@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.checkpoint import preset_config, random_state, write_checkpoint  # noqa: E402
+from engine.v4.checkpoint import preset_config, random_state, write_checkpoint  # noqa: E402
 from ipc.messages import SamplingParams  # noqa: E402
 from server.llm import LLM  # noqa: E402
 from perf.machine import header  # noqa: E402

@@ -23,9 +23,9 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.checkpoint import preset_config  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
+from engine.v4.checkpoint import preset_config  # noqa: E402
 from ipc.messages import SamplingParams  # noqa: E402
 from perf.machine import header  # noqa: E402
 

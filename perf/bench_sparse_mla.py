@@ -2,7 +2,7 @@
 and the output-column split (programs per head block) side by side.
 
 The verify step's q tokens of a sequence share one program of kernels/triton/sparse_mla_decode.py.
-With `window_shared` (what engine/fused_decode.py passes) the window's records are read once per
+With `window_shared` (what engine/v4/fused_decode.py passes) the window's records are read once per
 (sequence, head block); without it the same tables are read row by row, as per-token programs
 did. Both run here side by side on the same pools and tables, at V4-Flash's attention shape
 (64 heads × 512, window 128, CSA top-512 per token, fp8_ds_mla window / fp4_kv entries, bf16

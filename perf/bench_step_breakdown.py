@@ -1,7 +1,7 @@
 """Where a decode step's time goes, and how the step grows with context: one table per device.
 
 Runs the engine's static decode step (StaticDecodeBackend with the fused forward of
-engine/fused_decode.py: Triton kernels on CUDA, the CPU kernels behind the same dispatch on CPU)
+engine/v4/fused_decode.py: Triton kernels on CUDA, the CPU kernels behind the same dispatch on CPU)
 for B sequences at each context length, and splits its wall time by component with exclusive
 timers around the decoder's parts (a part's time excludes the parts it calls):
   mHC         kernels.mhc_mix / mhc_expand (Sinkhorn mixing, norm, stream expansion)
@@ -43,14 +43,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kernels  # noqa: E402
-from engine import fused_decode, linear  # noqa: E402
+from engine import linear  # noqa: E402
+from engine import counter_rng  # noqa: E402
 from engine.attention_backend import StepSeq  # noqa: E402
 from engine.cuda_graphs import StaticDecodeBackend  # noqa: E402
 from engine.kv_cache import KVCache  # noqa: E402
 from engine.sampler import SamplingRows, probs_device, sample_device  # noqa: E402
-from engine import counter_rng  # noqa: E402
+from engine.v4 import fused_decode  # noqa: E402
 from ipc.messages import SamplingParams  # noqa: E402
-from engine.checkpoint import preset_config, random_state, write_checkpoint  # noqa: E402
+from engine.v4.checkpoint import preset_config, random_state, write_checkpoint  # noqa: E402
 from engine.weights import load_model  # noqa: E402
 from perf.bench_gpu_ops import needed_kv  # noqa: E402
 from perf.machine import header  # noqa: E402

@@ -1,9 +1,9 @@
-"""The fused decode forward now lives in the engine (engine/fused_decode.py, run by
+"""The fused decode forward now lives in the engine (engine/v4/fused_decode.py, run by
 `StaticDecodeBackend`); this name stays for callers of the former prototype."""
 from __future__ import annotations
 
 from engine.decode_batch import DecodeBatch
-from engine.fused_decode import FusedDecoder
+from engine.v4.fused_decode import FusedDecoder
 
 
 def fused_forward(model, batch: DecodeBatch, on_layer=None):

@@ -188,7 +188,7 @@ def make_model(out_dir: Path, seed: int = 0, geometry: str = "small6") -> Path:
     import torch
 
     sys.path.insert(0, str(REPO))
-    from engine.checkpoint import preset_config, random_state, write_checkpoint
+    from engine.v4.checkpoint import preset_config, random_state, write_checkpoint
     from tokenization.synthetic_bpe import write_tokenizer
 
     if geometry not in GEOMETRIES:

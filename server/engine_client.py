@@ -143,7 +143,7 @@ class EngineClient:
         parallel = self.parallel
         master_port = 0
         if parallel.grouped:
-            from engine.distributed import pick_free_port
+            from engine.distributed.group import pick_free_port
 
             master_port = (parallel.data_parallel_rpc_port + 1 if parallel.multi_node
                            else pick_free_port(parallel.data_parallel_address))

@@ -4,10 +4,10 @@ Per rank: the bytes of its weights by kind, the KV pool that the GPU memory leav
 weights and a stated reserve, and how many sequences of a given context fit in it. Computed
 by the code that allocates, never by a formula beside it:
   * the model is built on the meta device by its architecture (engine/models/ `meta_model`;
-    V4: `engine.weights.build_model`) with the stored
+    V4: `engine.v4.weights.build_model`) with the stored
     dtypes (`--weight-dtype auto`: the checkpoint's own formats when MODEL is a checkpoint
     directory, else `quantization_config`; `bf16`: the upcast) and the rank's expert share
-    (with expert parallelism (E + R) / N slots per MoE layer, placed by `engine.eplb`;
+    (with expert parallelism (E + R) / N slots per MoE layer, placed by `engine.distributed.eplb`;
     without it every rank holds every expert);
   * DeepSeek-V4.1 (a release config.json, `text_config` inside): engine/v41/meta.py
     with the release's dtypes and storage (a checkpoint's headers, else `quantization_config`);
@@ -99,7 +99,7 @@ def rank_experts(num_layers: int, num_experts: int, ranks: int, redundant: int) 
     uniform load: every rank gets (E + R) / N slots)."""
     import numpy as np
 
-    from engine import eplb
+    from engine.distributed import eplb
 
     placement = eplb.rebalance(np.ones((num_layers, num_experts)), ranks, redundant)
     return {layer: placement.local_experts(layer, 0).tolist() for layer in range(num_layers)}

@@ -37,7 +37,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def checkpoint_factory(tmp_path_factory):
     """Build (and cache per session) a random checkpoint: factory(name, preset, layout, **overrides)."""
-    from engine.checkpoint import preset_config, random_state, write_checkpoint
+    from engine.v4.checkpoint import preset_config, random_state, write_checkpoint
 
     made: dict[str, tuple[str, Path]] = {}
 

@@ -15,7 +15,7 @@ import torch
 
 from engine.attention_backend import SequenceStep, StepSeq
 from engine.kv_cache import KVCache
-from engine.model import DeepseekV4
+from engine.v4.model import DeepseekV4
 from ipc.messages import SamplingParams
 
 

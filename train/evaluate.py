@@ -4,7 +4,7 @@ The held-out text is one token stream ([bos] page [eos] per page) cut into windo
 tokens with stride L, so each token after the first is a target exactly once, at a position
 below L, as in training. Bits per character divide the total nats by ln 2 and by the number of
 characters the targets decode to (special tokens decode to nothing). Both scorers run in fp32
-on the same windows; ringserve's runs its own forward (engine/model.py) over a dense state,
+on the same windows; ringserve's runs its own forward (engine/v4/model.py) over a dense state,
 exactly as its tests drive it.
 """
 
@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 
-from engine.attention import SeqSlice, SequenceContext
-from engine.model import DeepseekV4
+from engine.v4.attention import SeqSlice, SequenceContext
+from engine.v4.model import DeepseekV4
 
 from .score import Score
 

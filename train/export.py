@@ -1,6 +1,6 @@
 """Trained weights → a ringserve checkpoint (upstream layout, as released V4 checkpoints are).
 
-Every parameter of ringserve's model (engine/model.py, engine/mtp.py) is looked up by name:
+Every parameter of ringserve's model (engine/v4/model.py, engine/v4/mtp.py) is looked up by name:
 main-model tensors through the transformers layout's names (engine/weight_names.py
 `export_names`, the mapping the loader itself uses), MTP tensors in `MTPHead`, whose block is
 a transformers decoder layer and so uses the same names. Nothing is reshaped: transformers'
@@ -15,10 +15,10 @@ from pathlib import Path
 import torch
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 
-from engine.checkpoint import write_checkpoint
 from engine.config import ModelConfig
-from engine.weight_names import export_names
-from engine.weights import build_model
+from engine.v4.checkpoint import write_checkpoint
+from engine.v4.weight_names import export_names
+from engine.v4.weights import build_model
 
 from .v4 import MTPHead
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.checkpoint import preset_config
 from engine.config import ModelConfig
+from engine.v4.checkpoint import preset_config
 
 _LAYERS = {"layer_types": ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
                            "compressed_sparse_attention"],

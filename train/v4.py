@@ -1,7 +1,7 @@
 """The trainable V4: transformers' DeepseekV4ForCausalLM plus an MTP layer, and their losses.
 
 transformers' model (the project's reference definition of V4) is trained as it is. It has no
-MTP layer, so `MTPHead` states ringserve's (engine/mtp.py, model-spec §2.7) differentiably
+MTP layer, so `MTPHead` states ringserve's (engine/v4/mtp.py, model-spec §2.7) differentiably
 around transformers' own decoder layer, with a sliding-window layer type and a learned router:
     h = h_proj(hnorm(H_p)) + e_proj(enorm(emb(t_{p+1})))   emb zeroed at position 0
     logits = head(norm(hc_head(Block_swa(h))))             predicts t_{p+2}
@@ -47,7 +47,7 @@ def hash_table(token_counts: torch.Tensor, num_experts: int, k: int) -> torch.Te
 
 
 class MTPHead(nn.Module):
-    """ringserve's MTP layer (engine/mtp.py) as a differentiable module over whole windows."""
+    """ringserve's MTP layer (engine/v4/mtp.py) as a differentiable module over whole windows."""
 
     def __init__(self, config: transformers.DeepseekV4Config):
         super().__init__()

@@ -4,7 +4,7 @@ Per pool (`engine/kv_layout.py`), a range of the sequence's records:
   * full pools (compressed KV, index keys): every complete record, [0, ⌊n / m⌋) — an entry
     summarises m positions and exists once all m are computed;
   * sliding pools (one record per position): the rows the maths at positions ≥ n still reads
-    (engine/attention.py), with k = ⌊n / m⌋:
+    (engine/v4/attention.py), with k = ⌊n / m⌋:
       swa                 window KV           [n − W + 1, n)       W − 1 rows
       state_c{m}_csa,     overlapping         [m·(k − 1), n)       m + n mod m rows (the
       state_idx{m}        compressors                              previous window and the partial one)

@@ -117,7 +117,7 @@ class Architecture:
 
     def expert_parallel_moe(self, model, a2a, moe, maps):
         """The dispatcher that replaces `moe`'s routed part under expert parallelism
-        (engine/ep_moe.py ExpertParallelMoE or a subclass)."""
+        (engine/distributed/ep_moe.py ExpertParallelMoE or a subclass)."""
         raise NotImplementedError(f"{self.display_name}: expert parallelism is not supported")
 
     # ---- prefix cache ---------------------------------------------------------------------------

@@ -19,8 +19,8 @@ from .base import Architecture
 
 # name → "module:attribute" of a built-in Architecture instance
 BUILTIN = {
-    "v4": "engine.models.deepseek_v4:ARCHITECTURE",
-    "v41": "engine.models.deepseek_v41:ARCHITECTURE",
+    "v4": "engine.v4.architecture:ARCHITECTURE",
+    "v41": "engine.v41.architecture:ARCHITECTURE",
 }
 
 PLUGINS_ENV = "RINGSERVE_ARCHITECTURES"

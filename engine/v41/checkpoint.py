@@ -30,10 +30,10 @@ import torch
 
 from ..checkpoint import e2m1_codes, write_shards
 from ..config import ModelConfig
-from ..weight_names import v41_export_names
 from .engram import table_rows
 from .vision.config import IMAGE_PLACEHOLDER, VisionConfig, vision_to_release
 from .vision.encoder import release_name
+from .weight_names import v41_export_names
 
 # Vision towers for `vision=True`, per preset: every feature at toy sizes (a stretch ratio, an
 # upscale floor and a token budget that shrinks photos), and a ViT of the release's patch / ratio.

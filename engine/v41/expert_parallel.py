@@ -1,6 +1,6 @@
 """Expert-parallel dispatch of V4.1's routed experts, with the one-rank result to the bit.
 
-V4's dispatcher (engine/ep_moe.py) sends tokens, lets the owner compute the bare expert output
+V4's dispatcher (engine/distributed/ep_moe.py) sends tokens, lets the owner compute the bare expert output
 and applies the routing weight after the combine. V4.1's expert applies the weight to its fp32
 activation *before* w2, and the one-rank MoE sums the bf16 expert outputs in fp32 in ascending
 expert order. So here:
@@ -14,7 +14,7 @@ A row's expert output does not depend on which other rows share the call (exact 
 elementwise ops), so the result equals one rank's for any placement, replica choice or backend.
 
 Only the backbone's MoE layers are expert-parallel; the DSpark stages' small MoEs (their own
-expert count) stay whole on every rank, so drafting runs no collective (engine/expert_parallel.py
+expert count) stay whole on every rank, so drafting runs no collective (engine/distributed/expert_parallel.py
 `moe_layer_ids`).
 """
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ep_moe import ExpertParallelMoE, map_to_physical
+from ..distributed.ep_moe import ExpertParallelMoE, map_to_physical
 
 WEIGHT_LANES = 2  # an fp32 routing weight rides as two bf16 lanes after the hidden state
 

@@ -26,8 +26,9 @@ import kernels
 
 from ..block_manager import BlockTable
 from ..kv_cache import KVCache, PagedEntries, PagedRows, Pool, Slots
-from ..kv_layout import RAW_FORMATS, KVLayout, PoolSpec, build_v41_layout
+from ..kv_layout import RAW_FORMATS, KVLayout, PoolSpec
 from . import records
+from .kv_layout import build_v41_layout
 from .quant import fake_fp4_index, fake_fp4_kv, fake_fp8
 
 # The model's quantizer of each pool kind (state rows are fp32 maths, not quantized).

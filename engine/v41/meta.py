@@ -1,5 +1,5 @@
 """V4.1 on the meta device with its stored formats and expert share (`ringserve memory-report`,
-through engine/models/deepseek_v41.py `meta_model`): built in the order `load_v41` builds it —
+through engine/v41/architecture.py `meta_model`): built in the order `load_v41` builds it —
 the release dtypes of `V41Model` (no cast), the stored formats, then the expert share of the
 backbone's MoE layers (the DSpark stages stay whole on every rank, as the engine places them).
 Nothing is read but config.json and safetensors headers."""

@@ -7,7 +7,7 @@ Storage, as released: FP8 e4m3 with E8M0 32×32 block scales (projections, share
 indexer wq_b, Engram wkv, DSpark main_proj), FP4 e2m1 pairs with E8M0 per 32 along K (routed
 experts), FP8 Engram tables with one E8M0 scale per row per 32, BF16 / F32 the rest.
 `weight_dtype='auto'` keeps FP8/FP4 as stored; 'bf16' decodes them at load (exactly: every
-stored value fits bf16). With `experts` (expert parallelism: engine/expert_parallel.py
+stored value fits bf16). With `experts` (expert parallelism: engine/distributed/expert_parallel.py
 `experts_to_load`), each listed MoE layer holds only those logical experts, read alone from the
 shards; unlisted layers (the DSpark stages) hold all of theirs. With `engram_tables='host'` the
 Engram tables are allocated and filled in CPU memory, never on the device.
@@ -30,11 +30,12 @@ import torch
 from torch import nn
 
 from ..config import ENGRAM_TABLES, WEIGHT_DTYPES, ModelConfig
-from ..weight_names import Target, v41_target_of
+from ..weight_names import Target
 from ..weights import Checkpoint, Filler, WeightLoadError, is_scale, shard_files, stored_formats
 from .dspark import DSparkStage
 from .model import V41Model
 from .vision.encoder import internal_name as vision_internal_name
+from .weight_names import v41_target_of
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ cost nothing). A geometry is a DeepSeek-V4 model config plus a DeepSeek-V4.1 one
             head_dim 128 / rope 64 / index dim 64 so the quantized KV formats fit as well
   small     the `--preset small` configs (the benchmark models: the released attention geometry)
   released  engine/configs/deepseek-v4-flash.json and ../shared/golden/deepseek-v4.1/release-config.json
-For V4 the fused decode step's launches (engine/fused_decode.py) are covered in bf16 and fp32
+For V4 the fused decode step's launches (engine/v4/fused_decode.py) are covered in bf16 and fp32
 compute, for every --kv-dtype, for decode (q = 1) and MTP verify steps (q = 2, 4), at a short
 context (every entry attended) and a long one (CSA picks by the indexer), with the released
 weight formats (FP8 128×128 projections, FP4 experts) and with dense experts (an unquantized
@@ -76,8 +76,8 @@ class V4Shape:
 
 
 def v4_shape(geometry: str) -> V4Shape:
-    from engine.checkpoint import preset_config
     from engine.config import ModelConfig
+    from engine.v4.checkpoint import preset_config
 
     if geometry == "released":
         cfg = ModelConfig.from_dict(json.loads(V4_RELEASED.read_text()))

@@ -1,6 +1,6 @@
 """The mHC residual update of one site in one kernel: H'_k = post_k · y + Σ_j comb[j, k] · H_j.
 
-engine/layers.py `hc_expand` is a batched matmul, a product and a sum (three launches, two
+engine/v4/layers.py `hc_expand` is a batched matmul, a product and a sum (three launches, two
 [T, n, D] temporaries); here one program owns BLOCK_D channels of one token and writes the n new
 streams, rounding as the torch maths does in the streams' dtype: comb and post are cast to it
 first, the matmul accumulates in fp32 and rounds once, the product and the sum each round.
@@ -42,7 +42,7 @@ def _mhc_expand_kernel(streams_ptr, y_ptr, post_ptr, comb_ptr, out_ptr, N: tl.co
 
 
 def mhc_expand(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """engine.layers.hc_expand(streams, y, post, comb) -> [T, n, D] in streams.dtype."""
+    """engine.v4.layers.hc_expand(streams, y, post, comb) -> [T, n, D] in streams.dtype."""
     t, n, d = streams.shape
     if y.shape != (t, d) or post.shape != (t, n) or comb.shape != (t, n, n):
         raise ValueError(f"y must be [{t}, {d}], post [{t}, {n}], comb [{t}, {n}, {n}]; got {tuple(y.shape)}, "

@@ -1,6 +1,6 @@
 """mHC mixing weights (and the pre-weighted collapse) of one hyper-connection site in one kernel.
 
-engine/layers.py `hc_mix_weights` is ~270 small torch ops per site at 20 Sinkhorn iterations
+engine/v4/layers.py `hc_mix_weights` is ~270 small torch ops per site at 20 Sinkhorn iterations
 (each a launch on a GPU); here one program handles BLOCK_T tokens end to end:
   flat = streams[t] flattened (n·D, fp32); r = rsqrt(mean(flat²) + norm_eps)
   mix = r · (fn @ flat)                        [(2+n)·n]: pre | post | comb logits
@@ -112,7 +112,7 @@ def _collapse_chunk(streams_ptr, rows, pre_k, k, d0, tmask, D: tl.constexpr, CH:
 def mhc_mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, sinkhorn_iters: int,
             hc_eps: float, norm_eps: float, collapse: bool = False, precision: str = "ieee",
             norm_weight: torch.Tensor | None = None, out_eps: float = 1e-6) -> tuple[torch.Tensor, ...]:
-    """(pre, post, comb) as engine.layers.hc_mix_weights, plus hc_collapse(streams, pre) if ``collapse``,
+    """(pre, post, comb) as engine.v4.layers.hc_mix_weights, plus hc_collapse(streams, pre) if ``collapse``,
     passed through rms_norm(·, norm_weight, out_eps) when ``norm_weight`` is given (the block's
     attn_norm / ffn_norm)."""
     _check(streams, fn, base, scale)

@@ -4,7 +4,7 @@
   swiglu        act = silu(min(g, L)) · clamp(u, −L, L)      (h = [g | u] per row; optional
                                                              row weight folded in: w · act)
   moe_combine   out[t] = Σ_j w[t, j] · y[inverse[t·k + j]] (+ shared[t])
-Rounding follows engine/moe.py and engine/layers.py in the compute dtype: silu and each product
+Rounding follows engine/v4/moe.py and engine/v4/layers.py in the compute dtype: silu and each product
 round once; the combine rounds each weighted row, sums the k choices in order in fp32, rounds,
 then adds the shared expert's output and rounds again. The routing weights are fp32.
 Layouts: x [T, H]; order, inverse int [T·k]; h [S, 2I]; y [S, H]; w [T, k] fp32.

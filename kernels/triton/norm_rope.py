@@ -2,7 +2,7 @@
 
 The decode step normalises and rotates several projections before attention, and rotates the
 attention output back; in torch each is ~10 small ops. Here one program owns one (token, head)
-vector of D values and does, in the rounding order of engine/layers.py:
+vector of D values and does, in the rounding order of engine/v4/layers.py:
   PRE_ROUND   x = round(x)                          (out.to(dtype) before the inverse rope)
   NORM 1      y = round(w · (x · r))                rms_norm: fp32 statistics and product
   NORM 2      y = round(x · round(r))               head_rms_norm: the factor cast first

@@ -226,7 +226,7 @@ def sparse_mla_decode(q: torch.Tensor, sink: torch.Tensor, window_pool: torch.Te
     (or K = 0) attends the window only. ``window_shared`` / ``entries_shared``: the table is
     shared across each sequence's rows (module docstring) and read once per sequence; a table
     that is not shared gives wrong results under the flag, so only the step's own builders
-    (engine/step_meta.py) set it. ``block_d`` / ``block_dv``: the score chunk and the output
+    (engine/v4/step_meta.py) set it. ``block_d`` / ``block_dv``: the score chunk and the output
     columns per program (powers of two dividing D; default SCORE_CHUNK, all of D under the
     interpreter, and `value_block`).
     """

@@ -42,7 +42,7 @@ def agent_model(tmp_path_factory) -> Path:
     """The tiny preset with a 4096-token context: DeepSeek's tool prompt alone is ~400 tokens a tool."""
     import torch
 
-    from engine.checkpoint import preset_config, random_state, write_checkpoint
+    from engine.v4.checkpoint import preset_config, random_state, write_checkpoint
     from tokenization.synthetic_bpe import write_tokenizer
 
     out = tmp_path_factory.mktemp("agent") / "tiny"

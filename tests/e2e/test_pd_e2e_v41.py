@@ -64,7 +64,7 @@ def _streamed_text(url: str, prompt: list[int]) -> str:
 def _global_bytes(model_dir, n: int) -> int:
     """Every complete record of the served layout's full pools (auto KV, blocks of 16)."""
     from engine.config import ModelConfig
-    from engine.kv_layout import build_v41_layout
+    from engine.v41.kv_layout import build_v41_layout
 
     layout = build_v41_layout(ModelConfig.from_model_dir(model_dir), "auto", 16, num_stages=0)
     return sum(n // p.tokens_per_record * p.record_bytes * len(p.layers) for p in layout.pools if p.group == "full")

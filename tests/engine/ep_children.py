@@ -3,11 +3,11 @@
 Each program forms real gloo groups on 127.0.0.1, runs its checks and writes a JSON result per
 rank (`<out>/<program>-<rank>.json`); the test process asserts on those. Every rank builds the
 same random MoE from the case seed, but each rank's EP path only ever gets its own slots' weights.
-The reference is the single-rank MoE written out as engine/moe.py computes it (permute, expert
+The reference is the single-rank MoE written out as engine/v4/moe.py computes it (permute, expert
 compute, weight, sum of the k choices), with an expert computation whose result for a row does
 not depend on which other rows share the call or where the row sits (fixed-order multiply-adds
 and a piecewise-linear GLU) — so EP and reference agree bitwise exactly when dispatch/combine add
-no arithmetic of their own. A second check runs engine/moe.py's real grouped GEMMs + SwiGLU
+no arithmetic of their own. A second check runs engine/v4/moe.py's real grouped GEMMs + SwiGLU
 with a tolerance (GEMMs and SiLU are not row-invariant).
 """
 
@@ -30,11 +30,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import kernels
-from engine import eplb
-from engine.all2all import CapacityOverflow, NaiveAllGather, PaddedA2A, SlotLayout, TorchA2A
-from engine.distributed import RendezvousError, init_group
-from engine.ep_moe import ExpertParallelMoE, map_to_physical
-from engine.layers import clamped_swiglu
+from engine.distributed import eplb
+from engine.distributed.all2all import CapacityOverflow, NaiveAllGather, PaddedA2A, SlotLayout, TorchA2A
+from engine.distributed.ep_moe import ExpertParallelMoE, map_to_physical
+from engine.distributed.group import RendezvousError, init_group
+from engine.v4.layers import clamped_swiglu
 
 LIMIT = 10.0  # swiglu clamp, as the tiny preset
 HOST = "127.0.0.1"
@@ -123,7 +123,7 @@ def glu_experts(w13: torch.Tensor, w2: torch.Tensor):
 
 
 def grouped_experts(w13: torch.Tensor, w2: torch.Tensor):
-    """The same experts with engine/moe.py's grouped GEMMs (not row-invariant: compared with a tolerance)."""
+    """The same experts with engine/v4/moe.py's grouped GEMMs (not row-invariant: compared with a tolerance)."""
     inter = w2.shape[2]
 
     def compute(x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -136,7 +136,7 @@ def grouped_experts(w13: torch.Tensor, w2: torch.Tensor):
 
 def reference_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
                   w2: torch.Tensor) -> torch.Tensor:
-    """Single-rank routed MoE, engine/moe.py's steps, all experts local."""
+    """Single-rank routed MoE, engine/v4/moe.py's steps, all experts local."""
     t, k = ids.shape
     counts, _, order, inverse = kernels.permute(ids, w13.shape[0])
     order = order.long()
@@ -189,9 +189,9 @@ def check_backends(case: Case, rank: int, world_size: int) -> dict:
 
 
 def check_grouped_mm(case: Case, rank: int, world_size: int) -> dict:
-    """engine/moe.py's own MoE._experts (grouped GEMMs) vs EP with grouped GEMMs on local slices."""
-    from engine.checkpoint import preset_config
-    from engine.moe import MoE
+    """engine/v4/moe.py's own MoE._experts (grouped GEMMs) vs EP with grouped GEMMs on local slices."""
+    from engine.v4.checkpoint import preset_config
+    from engine.v4.moe import MoE
 
     w13, w2 = make_weights(case)
     x, weights, ids = make_tokens(case, rank, world_size)

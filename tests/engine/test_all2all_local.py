@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import ep_children as kids
-from engine import eplb
-from engine.all2all import CapacityOverflow, NaiveAllGather, PaddedA2A, SlotLayout, TorchA2A
-from engine.distributed import init_group, pick_free_port
-from engine.ep_moe import ExpertParallelMoE
+from engine.distributed import eplb
+from engine.distributed.all2all import CapacityOverflow, NaiveAllGather, PaddedA2A, SlotLayout, TorchA2A
+from engine.distributed.ep_moe import ExpertParallelMoE
+from engine.distributed.group import init_group, pick_free_port
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.block_manager import BlockAllocator, BlockManager, BlockTable, block_hash
-from engine.checkpoint import preset_config
 from engine.kv_layout import build_layout
+from engine.v4.checkpoint import preset_config
 
 
 def _manager(full: int, sliding: int, block_size: int = 16) -> BlockManager:

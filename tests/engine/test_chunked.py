@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import SeqSlice, SequenceContext
+from engine.v4.attention import SeqSlice, SequenceContext
 from engine.weights import load_model
 
 # Chunk schedules crossing the window (8) and the compress boundaries (4 and 8) of `tiny`.

@@ -12,12 +12,12 @@ import random
 import pytest
 import torch
 
-from engine.attention import SeqSlice, SequenceContext
 from engine.attention_backend import StepSeq
 from engine.config import EngineConfig
 from engine.cuda_graphs import StaticDecodeBackend, context_buckets
 from engine.engine import Engine
 from engine.kv_cache import KVCache
+from engine.v4.attention import SeqSlice, SequenceContext
 from engine.weights import load_model
 from ipc.messages import SamplingParams
 

@@ -17,7 +17,7 @@ import time
 import pytest
 
 import ep_children
-from engine.distributed import RendezvousError, init_group, pick_free_port
+from engine.distributed.group import RendezvousError, init_group, pick_free_port
 
 PLANS = {2: {"ep_checks": 1, "rendezvous": 5}, 4: {"ep_checks": 1, "peer_failure": 2}}  # program: ports
 VICTIM = {4: 3}  # peer_failure kills its last rank
@@ -157,7 +157,7 @@ def test_rank_claims_retries_and_disagreement():
     import socket
     from datetime import timedelta
 
-    from engine.rendezvous_store import ClusterStore, StoreServer
+    from engine.distributed.rendezvous_store import ClusterStore, StoreServer
 
     port = pick_free_port("127.0.0.1")
     server = StoreServer("127.0.0.1", port)  # the store rank 0 would host, and a client of it

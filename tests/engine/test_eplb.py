@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine import eplb
-from engine.ep_moe import map_to_physical
+from engine.distributed import eplb
+from engine.distributed.ep_moe import map_to_physical
 
 
 def skewed_load(seed: int, layers: int, experts: int) -> np.ndarray:

@@ -141,7 +141,7 @@ def test_each_rank_holds_its_share_of_the_experts(model_dir):
     import torch
 
     from engine.config import ModelConfig
-    from engine.expert_parallel import experts_to_load, initial_placement
+    from engine.distributed.expert_parallel import experts_to_load, initial_placement
     from engine.weights import load_model
 
     cfg = ModelConfig.from_model_dir(model_dir)

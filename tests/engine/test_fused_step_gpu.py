@@ -16,12 +16,12 @@ import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-from engine.attention import SeqSlice, SequenceContext  # noqa: E402
 from engine.attention_backend import StepSeq  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.cuda_graphs import StaticDecodeBackend  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.kv_cache import KVCache  # noqa: E402
+from engine.v4.attention import SeqSlice, SequenceContext  # noqa: E402
 from engine.weights import load_model  # noqa: E402
 from ipc.messages import SamplingParams  # noqa: E402
 

@@ -75,7 +75,7 @@ def test_quantized_pools_track_bf16(checkpoint_factory, kv_dtype):
     seq = cache.new_sequence()
     ids = torch.tensor(prompt + path.token_ids)
     assert cache.allocate(seq, 0, len(ids))
-    from engine.attention import SeqSlice, SequenceContext
+    from engine.v4.attention import SeqSlice, SequenceContext
 
     logits = model.logits(model(ids, torch.arange(len(ids)), SequenceContext([SeqSlice(seq, 0, 0, len(ids))])))
     steps = logits[len(prompt) - 1 : -1]

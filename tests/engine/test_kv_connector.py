@@ -169,7 +169,7 @@ def test_plan_on_the_released_v4_flash_layout_matches_kv_report():
 
 def test_replay_plan_moves_only_global_rows():
     """V4.1-style: no sliding row crosses and the decode resumes `replay` positions early."""
-    from engine.checkpoint import preset_config
+    from engine.v4.checkpoint import preset_config
 
     layout = build_layout(preset_config("tiny"), "auto", "fp32", 16)
     plan = make_plan(layout, 40, replay_tokens=12)

@@ -331,11 +331,11 @@ def test_pd_handoff_between_two_kv_caches():
     """The whole pull protocol on real ringserve pools (two agents in this process, over tcp):
     prefill hands off a 40-token sequence under a lease with digests in signed params; decode
     gates the params on its own prompt, allocates, READs both groups, verifies, says done."""
-    from engine.checkpoint import preset_config
     from engine.kv_cache import KVCache
     from engine.kv_layout import build_layout
     from engine.kv_transfer import kv_pools
     from engine.kv_transfer.lease import LeaseTable
+    from engine.v4.checkpoint import preset_config
 
     cfg, n, bs, key = preset_config("tiny"), 40, 16, b"pd-secret"
     prompt = list(range(7, 7 + n))

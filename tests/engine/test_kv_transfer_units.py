@@ -16,12 +16,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.block_manager import BlockManager, BlockTable
-from engine.checkpoint import preset_config
 from engine.kv_cache import KVCache
 from engine.kv_layout import build_layout
 from engine.kv_transfer import digest, kv_pools, protocol
 from engine.kv_transfer.lease import LeaseTable
 from engine.kv_transfer.protocol import ProtocolError
+from engine.v4.checkpoint import preset_config
 from ipc.kv_transfer_params import MAX_BLOCKS_PER_GROUP, KVTransferParams
 
 HASH = "ab" * 32

@@ -9,10 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.checkpoint import preset_config, quantize_fp4_rows, quantize_fp8_blocks
-from engine.layers import clamped_swiglu
+from engine.checkpoint import quantize_fp4_rows, quantize_fp8_blocks
 from engine.linear import GroupedLinear, Linear, RoutedExperts, WeightFormat
-from engine.moe import MoE
+from engine.v4.checkpoint import preset_config
+from engine.v4.layers import clamped_swiglu
+from engine.v4.moe import MoE
 import kernels
 from kernels import reference
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import SeqSlice, SequenceContext
-from engine.weight_names import export_names
+from engine.v4.attention import SeqSlice, SequenceContext
+from engine.v4.weight_names import export_names
 from engine.weights import load_model
 
 transformers = pytest.importorskip("transformers")

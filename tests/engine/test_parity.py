@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import engine.attention
-from engine.attention import SeqSlice, SequenceContext
+import engine.v4.attention
+from engine.v4.attention import SeqSlice, SequenceContext
 from engine.weights import load_model
 from ipc.messages import SamplingParams
 from reference_driver import generate
@@ -75,7 +75,7 @@ def test_small_topk_selects_the_reference_sets(checkpoint_factory, monkeypatch):
     ref_sets, our_sets = [], []
     hooks = [m.register_forward_hook(lambda mod, args, out: ref_sets.append(out[0]))
              for m in ref.modules() if type(m).__name__ == "DeepseekV4Indexer"]
-    select = engine.attention.top_k_entries
+    select = engine.v4.attention.top_k_entries
 
     def recording(scores, visible, k):  # the per-sequence path's top-k, one call per CSA layer
         picked, valid = select(scores, visible, k)
@@ -83,7 +83,7 @@ def test_small_topk_selects_the_reference_sets(checkpoint_factory, monkeypatch):
         our_sets.append((mask, scores.masked_fill(~visible, float("-inf"))))
         return picked, valid
 
-    monkeypatch.setattr(engine.attention, "top_k_entries", recording)
+    monkeypatch.setattr(engine.v4.attention, "top_k_entries", recording)
     with torch.no_grad():
         ref(ids[None])
         ours(ids, torch.arange(len(ids)), SequenceContext([SeqSlice(ours.new_state(), 0, 0, len(ids))]))

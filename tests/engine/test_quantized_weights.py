@@ -14,9 +14,10 @@ import engine.weights as weights_mod
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.linear import QuantWeight
-from engine.weight_formats import formats_from_config
-from engine.weight_names import export_names
-from engine.weights import WeightLoadError, build_model, load_model
+from engine.v4.weight_formats import formats_from_config
+from engine.v4.weight_names import export_names
+from engine.v4.weights import build_model
+from engine.weights import WeightLoadError, load_model
 from ipc.messages import SamplingParams
 from reference_driver import generate
 

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from engine.config import ConfigError
 from engine.linear import QuantWeight
-from engine.weight_names import export_names
+from engine.v4.weight_names import export_names
 from engine.weights import WeightLoadError, load_model
 from kernels import reference
 

@@ -124,7 +124,7 @@ class _IdleGroup:
         self.agreements = 0
 
     def agree(self, plan):
-        from engine.lockstep import StepPlan
+        from engine.distributed.lockstep import StepPlan
 
         self.agreements += 1
         return StepPlan(False, stopping=plan.stopping)

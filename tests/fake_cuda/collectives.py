@@ -98,8 +98,8 @@ class _Done:
 @contextlib.contextmanager
 def fake_collectives(record: Record):
     """Route collectives on fake tensors to FakeCollectives (torch.distributed's functions, and
-    the aliases engine/all2all.py takes of them at import)."""
-    from engine import all2all
+    the aliases engine/distributed/all2all.py takes of them at import)."""
+    from engine.distributed import all2all
 
     fakes = FakeCollectives(record)
     patched = []

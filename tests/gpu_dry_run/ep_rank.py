@@ -20,10 +20,10 @@ def main(rank: int, port: int, model_dir: str, backend: str, out: str) -> None:
     import torch
 
     from engine.config import EngineConfig, ModelConfig, ParallelConfig
-    from engine.distributed import init_group
+    from engine.distributed.expert_parallel import ExpertParallel, experts_to_load, initial_placement
+    from engine.distributed.group import init_group
+    from engine.distributed.lockstep import Lockstep, StepPlan
     from engine.engine import Engine
-    from engine.expert_parallel import ExpertParallel, experts_to_load, initial_placement
-    from engine.lockstep import Lockstep, StepPlan
     from engine.weights import load_model
     from ipc.messages import SamplingParams
     from tests.fake_cuda import fake_cuda

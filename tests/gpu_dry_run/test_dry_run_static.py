@@ -13,10 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import SeqSlice, SequenceContext
 from engine.attention_backend import StepSeq
 from engine.cuda_graphs import StaticDecodeBackend
 from engine.kv_cache import KVCache
+from engine.v4.attention import SeqSlice, SequenceContext
 from engine.weights import load_model
 
 # The released head geometry the quantized KV records need (scaled down elsewhere); one layer of

@@ -2,7 +2,7 @@
 kernels/triton/sparse_mla_decode.py.
 
 Cases the decode step meets: raw (fp32, bf16) and quantized (fp8_ds_mla, fp4_kv) pools, per-row
-and shared tables (laid out as engine/step_meta.py does), valid counts 0, 1, a pool block (4),
+and shared tables (laid out as engine/v4/step_meta.py does), valid counts 0, 1, a pool block (4),
 one over, the kernel's key block (16) and one over, −1 holes, no entries, this step's own keys,
 NaN records (only rows that read one turn NaN), int32 / int64 slots, bf16 queries, and the
 serial (1 thread) and parallel paths.
@@ -89,7 +89,7 @@ def _per_row_case(window_fmt: str, entry_fmt: str | None, b: int, q: int, h: int
 
 
 def _shared_case(window_fmt: str, entry_fmt: str, b: int, q: int, h: int, d: int, seed: int = 0) -> dict:
-    """Shared tables as engine/step_meta.py builds them: one slot per column for all of a sequence's
+    """Shared tables as engine/v4/step_meta.py builds them: one slot per column for all of a sequence's
     rows, −1 where a row does not see it. Window columns are positions start−W+1 .. start−1 (token
     t sees columns ≥ t; a short history leaves the leading columns −1 for every row); entries are a
     prefix that grows by one every two tokens."""

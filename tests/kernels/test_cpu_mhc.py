@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.layers import hc_collapse, rms_norm
+from engine.v4.layers import hc_collapse, rms_norm
 from kernels.cpu_mhc import mhc_expand, mhc_mix
 from kernels.triton.mhc_expand import mhc_expand_reference
 from kernels.triton.mhc_mix import mhc_mix_reference

@@ -51,7 +51,7 @@ def _linear(kind, x, w):
 
 
 def op_by_op(layer: Layer, x, logits, hashed: bool, tokens):
-    """What engine/fused_decode.py's MoE runs op by op, through the generic entry points."""
+    """What engine/v4/fused_decode.py's MoE runs op by op, through the generic entry points."""
     weights, ids = kernels.route(logits, None if hashed else layer.bias, K, SCALING,
                                  token_ids=tokens if hashed else None, tid2eid=layer.tid2eid if hashed else None)
     _, offsets, order, inverse = kernels.permute(ids, E)
@@ -142,7 +142,7 @@ def test_bad_ids_are_the_ops_errors_and_nothing_is_written():
 def test_fused_decode_moe_of_a_quantized_checkpoint_equals_its_ops(checkpoint_factory):
     """Every layer of a tiny FP8/FP4 V4 (hash-routed and learned) through FusedDecoder.moe, the
     kernel against the op path; a replaced expert weight is seen at once."""
-    from engine.fused_decode import FusedDecoder
+    from engine.v4.fused_decode import FusedDecoder
     from engine.weights import load_model
 
     path = checkpoint_factory("tiny-fp8-fp4", dtype=torch.bfloat16, quantize="fp8-fp4", index_topk=64)

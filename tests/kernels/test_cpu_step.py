@@ -1,9 +1,9 @@
 """The compiled CPU decode step (kernels/cpu_step.py) against what it replaces.
 
 - Its torch-matching maths (kernels/cpu_step_math.py) against torch's own ops, bit for bit.
-- Its slot tables (kernels/cpu_step_tables.py) against engine/step_meta.py's StepMeta.
+- Its slot tables (kernels/cpu_step_tables.py) against engine/v4/step_meta.py's StepMeta.
 - Whole steps on tiny FP8/FP4 and dense-fp32 checkpoints against the op-by-op static forward
-  (engine/fused_decode.py with the compiled step off) on the same batch: with FP8/FP4 weights
+  (engine/v4/fused_decode.py with the compiled step off) on the same batch: with FP8/FP4 weights
   the final streams bit for bit up to 4 rows (every product stays on the row kernels the op path
   uses there; past kernels/cpu_gemv.DENSE_GEMV_MAX_ROWS its dense products, the router's among
   them, are torch's sgemm); within fp32 rounding past them, for dense weights (the op path's wo_a einsum and
@@ -23,9 +23,9 @@ import torch
 from engine.config import EngineConfig
 from engine.decode_batch import DecodeBatch
 from engine.engine import Engine
-from engine.fused_decode import FusedDecoder
-from engine.layers import RotaryTable, clamped_swiglu
-from engine.step_meta import StepMeta
+from engine.v4.fused_decode import FusedDecoder
+from engine.v4.layers import RotaryTable, clamped_swiglu
+from engine.v4.step_meta import StepMeta
 from engine.weights import load_model
 from ipc.messages import SamplingParams
 from kernels import cpu_step_math as cm

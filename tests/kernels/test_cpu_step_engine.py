@@ -2,7 +2,7 @@
 
 - a bf16 checkpoint (every dense weight bf16-exact once loaded in fp32): the program reads the
   bf16 copies (kernels/cpu_gemv.py's bf16-bits row kernel) and each step's streams and logits
-  equal the op path's (engine/fused_decode.py with the compiled step off) within fp32 rounding;
+  equal the op path's (engine/v4/fused_decode.py with the compiled step off) within fp32 rounding;
   greedy tokens identical;
 - MTP speculation: the verify steps (q = 1 + drafts tokens per sequence) run compiled, with
   streams bit for bit the op path's on FP8/FP4 weights up to 4 rows (past
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from engine.engine import Engine
-from engine.fused_decode import FusedDecoder
+from engine.v4.fused_decode import FusedDecoder
 from engine.weights import load_model
 from ipc.messages import SamplingParams
 from kernels.cpu_gemv import DENSE_GEMV_MAX_ROWS

@@ -153,7 +153,7 @@ def test_sparse_mla_decode_padding_rows_change_nothing():
 
 
 def _shared_case(window_fmt: str, entry_fmt: str, b: int, q: int, h: int, d: int = 128, seed: int = 0):
-    """Tables laid out as engine/step_meta.py lays them: one slot per column for all of a
+    """Tables laid out as engine/v4/step_meta.py lays them: one slot per column for all of a
     sequence's rows. The window's columns are positions start−W+1 .. start−1, token t seeing
     columns ≥ t (history before the sequence began: −1 for every row); HCA's entries a prefix
     that grows by one every few tokens (token t sees n_b + t // 2 of them, n_b from 0)."""
@@ -393,12 +393,12 @@ def test_compressor_step_nan_history_poisons_only_its_sequence():
 
 
 def test_compressor_reference_equals_the_engine_step():
-    """compressor_step_reference on slot tables == engine.attention_decode.compress on a DecodeBatch."""
-    from engine.attention_decode import compress
+    """compressor_step_reference on slot tables == engine.v4.attention_decode.compress on a DecodeBatch."""
     from engine.decode_batch import DecodeBatch
     from engine.kv_cache import Pool, PoolRef
     from engine.kv_layout import PoolSpec
-    from engine.layers import RotaryTable
+    from engine.v4.attention_decode import compress
+    from engine.v4.layers import RotaryTable
 
     m, d, block = 4, 128, 8                                                  # fp8_ds_mla: d - 64 = 64
     cache = SimpleNamespace(layout=SimpleNamespace(block_size=block), device="cpu")

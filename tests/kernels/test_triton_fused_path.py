@@ -12,11 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import SeqSlice, SequenceContext
 from engine.attention_backend import StepSeq
 from engine.cuda_graphs import StaticDecodeBackend
 from engine.decode_batch import DecodeBatch
 from engine.kv_cache import KVCache
+from engine.v4.attention import SeqSlice, SequenceContext
 from engine.weights import load_model
 from perf.fused_decode import fused_forward
 

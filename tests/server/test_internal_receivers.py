@@ -1,5 +1,5 @@
 """The other two internal receive loops against hostile input over real ZeroMQ sockets: the
-rendezvous store (engine/rendezvous_store.py) and the KV side channel
+rendezvous store (engine/distributed/rendezvous_store.py) and the KV side channel
 (engine/kv_transfer/side_channel.py). Whatever arrives — wrong frame counts, random bytes,
 requests over the caps, metadata NIXL refuses — is dropped and counted, and the loop goes on
 answering its real clients. With a cluster key, a client without it gets nothing."""
@@ -13,9 +13,9 @@ import msgspec
 import pytest
 import zmq
 
-from engine.distributed import pick_free_port
+from engine.distributed.group import pick_free_port
+from engine.distributed.rendezvous_store import MAX_KEY_CHARS, ClusterStore, StoreServer, StoreTimeout
 from engine.kv_transfer.side_channel import MetadataFetch, MetadataRequest, SideChannelError, SideChannelServer
-from engine.rendezvous_store import MAX_KEY_CHARS, ClusterStore, StoreServer, StoreTimeout
 from ipc.channel_guard import DROPPED
 from ipc.cluster_auth import KV_SIDE_CHANNEL, RENDEZVOUS_STORE, ClusterAuth, generate_key
 

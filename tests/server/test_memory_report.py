@@ -17,8 +17,8 @@ import torch
 
 from pathlib import Path
 
-from engine.checkpoint import preset_config, quantization_config
-from engine.weights import build_model
+from engine.v4.checkpoint import preset_config, quantization_config
+from engine.v4.weights import build_model
 from server.memory_report import kind_of, memory_report, render
 
 V41_RELEASE = Path(__file__).resolve().parents[2] / ".." / "shared" / "golden" / "deepseek-v4.1" / "release-config.json"
@@ -113,8 +113,8 @@ def test_sequences_that_fit_follow_the_pool_arithmetic(tiny_config):
 
 def test_released_v4_flash_has_284_33b_parameters():
     from engine.config import ModelConfig
-    from engine.weight_formats import formats_from_config
-    from engine.weights import configure
+    from engine.v4.weight_formats import formats_from_config
+    from engine.v4.weights import configure
     from server.memory_report import _weights_by_kind, resolve_model
 
     cfg = ModelConfig.from_model_dir(resolve_model("deepseek-v4-flash"))
@@ -189,7 +189,7 @@ def _loaded_by_kind(model) -> dict[str, tuple[int, int]]:
 @pytest.mark.parametrize("ranks, ep, redundant", [(1, False, 0), (2, True, 0), (4, True, 4)])
 def test_v41_rank_equals_what_loading_its_share_allocates(v41_tiny, ranks, ep, redundant):
     from engine.config import ModelConfig, ParallelConfig
-    from engine.expert_parallel import experts_to_load, initial_placement
+    from engine.distributed.expert_parallel import experts_to_load, initial_placement
     from engine.v41.weights import load_v41
 
     ckpt, bare = v41_tiny

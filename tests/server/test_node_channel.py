@@ -9,7 +9,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from engine.distributed import pick_free_port
+from engine.distributed.group import pick_free_port
 from server.links import DECODE, ENCODE, NodeAlive, NodeChannel, NodeHello, NodeWelcome
 
 

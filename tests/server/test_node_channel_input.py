@@ -15,7 +15,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from engine.distributed import pick_free_port
+from engine.distributed.group import pick_free_port
 from ipc.channel_guard import DROPPED, REFUSED
 from ipc.cluster_auth import NODE_CHANNEL, ClusterAuth, generate_key
 from server.links import DECODE, ENCODE, NodeAlive, NodeChannel, NodeHello, NodeRefused, NodeWelcome

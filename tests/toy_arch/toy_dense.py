@@ -66,8 +66,8 @@ def parse(raw: dict[str, Any]):
 class ToyLayer(nn.Module):
     def __init__(self, cfg):
         super().__init__()
-        from engine.attention import Attention
         from engine.linear import Linear
+        from engine.v4.attention import Attention
 
         d, f = cfg.hidden_size, cfg.moe_intermediate_size
         self.attn_norm = nn.Parameter(torch.empty(d))
@@ -76,7 +76,7 @@ class ToyLayer(nn.Module):
         self.w1, self.w3, self.w2 = Linear(d, f), Linear(d, f), Linear(f, d)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope, ctx, layer: int) -> torch.Tensor:
-        from engine.layers import rms_norm
+        from engine.v4.layers import rms_norm
 
         eps = self.attn.cfg.rms_norm_eps
         x = x + self.attn(rms_norm(x, self.attn_norm, eps), positions, rope, ctx, layer)
@@ -89,7 +89,7 @@ class ToyDense(nn.Module):
 
     def __init__(self, cfg):
         super().__init__()
-        from engine.layers import RotaryTable
+        from engine.v4.layers import RotaryTable
 
         self.cfg = cfg
         self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
@@ -109,7 +109,7 @@ class ToyDense(nn.Module):
         return self.embed.device
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
-        from engine.attention import StepRope
+        from engine.v4.attention import StepRope
 
         cos_sin = self.rope(positions)
         rope = StepRope(cos_sin, cos_sin, self.rope)
@@ -120,7 +120,7 @@ class ToyDense(nn.Module):
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        from engine.layers import rms_norm
+        from engine.v4.layers import rms_norm
 
         return (rms_norm(hidden, self.norm, self.cfg.rms_norm_eps) @ self.head.T).float()
 
@@ -186,7 +186,7 @@ class ToyDenseArchitecture(Architecture):
         return write_checkpoint(out_dir, seed)
 
     def kv_layout(self, cfg, kv_dtype, compute_dtype, block_size, num_mtp_layers, index_dtype):
-        from engine.kv_layout import build_v4_layout  # one window pool: every layer is window-only
+        from engine.v4.kv_layout import build_v4_layout  # one window pool: every layer is window-only
 
         return build_v4_layout(cfg, kv_dtype, compute_dtype, block_size, 0, index_dtype)
 

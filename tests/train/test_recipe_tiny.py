@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from engine.attention import SeqSlice, SequenceContext
+from engine.v4.attention import SeqSlice, SequenceContext
 from engine.weights import load_model
 from server.tokenizer import Tokenizer
 from safetensors.torch import load_file

@@ -19,11 +19,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from engine import eplb
-from engine.all2all import SlotLayout
 from engine.config import EngineConfig, ModelConfig, ParallelConfig
-from engine.distributed import pick_free_port
-from engine.expert_parallel import _backend, experts_to_load, initial_placement
+from engine.distributed import eplb
+from engine.distributed.all2all import SlotLayout
+from engine.distributed.expert_parallel import _backend, experts_to_load, initial_placement
+from engine.distributed.group import pick_free_port
 from engine.v41.checkpoint import write_v41_checkpoint
 from engine.v41.expert_parallel import V41ExpertParallelMoE
 from engine.v41.vision.frontend import VisionFrontend

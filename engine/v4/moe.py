@@ -11,9 +11,9 @@ from torch import nn
 
 import kernels
 
-from .config import ModelConfig
+from ..config import ModelConfig
+from ..linear import Linear, RoutedExperts
 from .layers import clamped_swiglu
-from .linear import Linear, RoutedExperts
 
 
 class MoE(nn.Module):
@@ -30,7 +30,7 @@ class MoE(nn.Module):
             self.gate_bias = nn.Parameter(torch.zeros(e))  # fp32, used for selection only
         self.experts = RoutedExperts(e, h, i, cfg.swiglu_limit)
         # Under expert parallelism, the dispatch to the ranks owning each token's experts
-        # (engine/expert_parallel.py); None: every expert is here.
+        # (engine/distributed/expert_parallel.py); None: every expert is here.
         self.parallel = None
         if cfg.n_shared_experts:
             self.shared_w1 = Linear(h, i)

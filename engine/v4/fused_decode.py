@@ -1,7 +1,7 @@
 """The static-shape decode/verify forward through fused kernels: few launches per layer.
 
 Same contract as `DeepseekV4.forward` (and `MTPLayer.forward`) on a `DecodeBatch`: streams out,
-KV pools written in place, the same maths (engine/layers.py, engine/attention_ops.py) in the same
+KV pools written in place, the same maths (engine/v4/layers.py, engine/v4/attention_ops.py) in the same
 rounding order. What changes is how it is launched (`kernels` dispatch: Triton on CUDA, the CPU
 kernels on CPU), per layer:
 
@@ -17,8 +17,8 @@ kernels on CPU), per layer:
            SwiGLU, w2; combine (weights, unpermute, sum, + shared)                  11
            (on CPU, decode-sized: gate GEMM, then kernels/cpu_moe_decode.py's two
            numba calls around one SwiGLU over the routed and shared rows)            4
-The per-step slot tables are built once (engine/step_meta.py). Projections sharing an input are
-packed into one GEMM (engine/packed_linear.py) when their formats allow it.
+The per-step slot tables are built once (engine/v4/step_meta.py). Projections sharing an input are
+packed into one GEMM (engine/v4/packed_linear.py) when their formats allow it.
 
 On CPU a static shape the compiled step covers (kernels/cpu_step_plan.py: fp32, raw KV pools,
 up to 16 rows) runs as one jitted call instead (kernels/cpu_step.py: the same kernels from
@@ -33,7 +33,7 @@ import kernels
 from kernels.cpu_moe_decode import DecodeMoE
 from kernels.cpu_step_plan import StepProgram
 
-from .decode_batch import DecodeBatch
+from ..decode_batch import DecodeBatch
 from .layers import rms_norm
 from .packed_linear import PackedLinear
 from .step_meta import StepMeta, compressor_spans

@@ -13,7 +13,7 @@ import torch
 from kernels.model_math import (apply_rope, clamped_swiglu, hc_collapse, hc_expand,
                                 hc_head_collapse, hc_mix_weights, head_rms_norm, rms_norm, yarn_inv_freq)
 
-from .config import YarnParams
+from ..config import YarnParams
 
 
 def rope_inv_freq(rope_dim: int, theta: float, yarn: YarnParams | None) -> torch.Tensor:

@@ -12,8 +12,8 @@ from torch import nn
 
 import kernels
 
+from ..config import ModelConfig
 from .attention import Attention, StepRope
-from .config import ModelConfig
 from .layers import RotaryTable, hc_collapse, hc_expand, hc_head_collapse, hc_mix_weights, rms_norm
 from .moe import MoE
 from .seq_state import SequenceState
@@ -80,7 +80,7 @@ class DeepseekV4(nn.Module):
         self.hc_head = HyperHead(cfg)
         self.norm = nn.Parameter(torch.empty(cfg.hidden_size))
         self.head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.mtp: nn.ModuleList = nn.ModuleList()  # filled by engine.mtp when the checkpoint has MTP weights
+        self.mtp: nn.ModuleList = nn.ModuleList()  # filled by engine.v4.mtp when the checkpoint has MTP weights
         self.rope_main = RotaryTable(cfg.rope_dim, cfg.rope_theta, None)
         self.rope_compress = RotaryTable(cfg.rope_dim, cfg.compress_rope_theta, cfg.yarn)
         # Layers run so far (eagerly; a replayed CUDA graph runs no Python). The worker's
@@ -110,7 +110,7 @@ class DeepseekV4(nn.Module):
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         """token_ids, positions: [T]. Returns the final residual streams [T, n, D] (pre hc-head).
 
-        `ctx` is the step's attention context (engine/attention.py `SequenceContext`, or a
+        `ctx` is the step's attention context (engine/v4/attention.py `SequenceContext`, or a
         static-shape `DecodeBatch`): it says where each token's KV lives and is written."""
         rope = self.step_rope(positions)
         streams = self.embed[token_ids].unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()

@@ -1,7 +1,7 @@
 """The worker processes' torch.distributed group for DEP (data-parallel attention, expert-parallel MoE).
 
 `init_group` forms one group per (re)start of the server:
-- rank 0 (the head) hosts the rendezvous store (engine/rendezvous_store.py) bound to exactly
+- rank 0 (the head) hosts the rendezvous store (engine/distributed/rendezvous_store.py) bound to exactly
   master_addr:master_port, keyed with the cluster key when there is one (ipc/cluster_auth.py);
   every rank connects to it. torch's TCPStore is not used: it listens on every interface and
   authenticates nobody, and gloo's and NCCL's own rendezvous go through this store;

@@ -3,7 +3,7 @@
 Which window slots each query reads, where this step's keys and compressor rows go, which entry
 a token completes, which entries a query may see: all depend only on the batch (positions and
 block tables), the window, the compression ratio and the span, never on the layer. The fused
-decode path (engine/fused_decode.py) builds them once per step from the `DecodeBatch` with a
+decode path (engine/v4/fused_decode.py) builds them once per step from the `DecodeBatch` with a
 handful of device ops (inside a captured graph, so a replay refreshes them), instead of every
 layer rebuilding them. A slot of −1 means "nothing there": masked on read, skipped on write.
 """
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .decode_batch import DecodeBatch
+from ..decode_batch import DecodeBatch
 
 
 @dataclass

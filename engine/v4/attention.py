@@ -5,7 +5,7 @@ part that reads a sequence's history (window, compressor windows, index scores, 
 core) is the step's attention context's job (`ctx.attend`): `SequenceContext` here, for any
 mix of prefill chunks and decodes, or the static-shape `DecodeBatch` (engine/decode_batch.py),
 for decode/verify steps that a CUDA graph can capture. Both state the maths through
-engine/attention_ops.py.
+engine/v4/attention_ops.py.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from torch import nn
 
 import kernels
 
+from ..config import ModelConfig
+from ..linear import GroupedLinear, Linear
 from .attention_ops import finish_entries, index_scores, pool_span, sink_attention, top_k_entries
-from .config import ModelConfig
-from .linear import GroupedLinear, Linear
 
 # Queries are processed in blocks so that prefill never materialises a T×T score matrix.
 QUERY_BLOCK = 256

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .config import ParallelConfig
-from .distributed import DistGroup, init_group
+from ..config import ParallelConfig
+from .group import DistGroup, init_group
 
 IDLE_PARK_S = 1.0  # a parked rank with a KV connector ticks it this often (at most)
 
@@ -52,7 +52,7 @@ class Lockstep:
     def __init__(self, group: DistGroup, ep=None, parallel: ParallelConfig | None = None):
         self.group = group
         self.rank, self.world_size = group.rank, group.world_size
-        self.ep = ep  # engine.expert_parallel.ExpertParallel, or None
+        self.ep = ep  # engine.distributed.expert_parallel.ExpertParallel, or None
         self.parallel = parallel
         self._buf = torch.zeros(4, dtype=torch.int64)
         self.agreements = 0  # agreements made so far: identical on every rank (the park epoch)

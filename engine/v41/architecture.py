@@ -1,13 +1,13 @@
-"""DeepSeek-V4.1 as an `Architecture`: its parts live in engine/v41/ (config, weights, KV cache,
-runner, static decode, DSpark, expert-parallel MoE, vision) and engine/kv_layout.py
-`build_v41_layout`. No torch at import."""
+"""DeepSeek-V4.1 as an `Architecture`: its parts live in this package (config, weights, KV
+layout and cache, runner, static decode, DSpark, expert-parallel MoE, vision). No torch at
+import."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from .base import Architecture, Capabilities
+from ..models.base import Architecture, Capabilities
 
 
 class DeepSeekV41(Architecture):
@@ -49,7 +49,7 @@ class DeepSeekV41(Architecture):
         return write_v41_checkpoint(out_dir, preset, seed=seed, quantize=quantize, vision=vision)
 
     def kv_layout(self, cfg, kv_dtype, compute_dtype, block_size, num_mtp_layers, index_dtype):
-        from engine.kv_layout import build_v41_layout
+        from engine.v41.kv_layout import build_v41_layout
 
         return build_v41_layout(cfg, kv_dtype, block_size, num_mtp_layers, index_dtype)
 

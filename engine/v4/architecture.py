@@ -1,13 +1,14 @@
-"""DeepSeek-V4 as an `Architecture`: its parts are engine/config.py `parse_v4`, engine/weights.py,
-engine/kv_layout.py `build_v4_layout`, engine/kv_cache.py, engine/model_runner.py and
-engine/checkpoint.py (make-model). No torch at import."""
+"""DeepSeek-V4 as an `Architecture`: its parts are this package's (config.py `parse_v4`,
+weights.py `load_v4`, kv_layout.py `build_v4_layout`, checkpoint.py for make-model) and the
+engine core's KV cache and model runner (engine/kv_cache.py, engine/model_runner.py).
+No torch at import."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from .base import Architecture, Capabilities
+from ..models.base import Architecture, Capabilities
 
 
 class DeepSeekV4(Architecture):
@@ -19,21 +20,21 @@ class DeepSeekV4(Architecture):
     capabilities = Capabilities(drafter="mtp", async_scheduling=True, generic_static_decode=True)
 
     def parse_config(self, raw: dict[str, Any]):
-        from engine.config import parse_v4
+        from engine.v4.config import parse_v4
 
         return parse_v4(raw)
 
     def load_model(self, model_dir: Path, *, dtype, device, progress, load_mtp, weight_dtype, experts,
                    engram_tables, language_model_only):
-        from engine.weights import load_v4
+        from engine.v4.weights import load_v4
 
         return load_v4(model_dir, dtype, device, progress, load_mtp, weight_dtype, experts)
 
     def meta_model(self, cfg, source: Path, weight_dtype: str, with_mtp: bool, experts):
         import torch
 
-        from engine.weight_formats import formats_from_config
-        from engine.weights import build_model, checkpoint_formats, configure
+        from engine.v4.weight_formats import formats_from_config
+        from engine.v4.weights import build_model, checkpoint_formats, configure
 
         model = build_model(cfg, with_mtp, dtype=torch.bfloat16)
         formats = {}
@@ -48,7 +49,7 @@ class DeepSeekV4(Architecture):
             raise ValueError("--vision needs --arch v41 (DeepSeek-V4 has no vision tower)")
         import torch
 
-        from engine.checkpoint import preset_config, random_state, write_checkpoint
+        from engine.v4.checkpoint import preset_config, random_state, write_checkpoint
         from tokenization.synthetic_bpe import write_tokenizer
 
         cfg = preset_config(preset, **overrides)
@@ -59,7 +60,7 @@ class DeepSeekV4(Architecture):
         return out
 
     def kv_layout(self, cfg, kv_dtype, compute_dtype, block_size, num_mtp_layers, index_dtype):
-        from engine.kv_layout import build_v4_layout
+        from engine.v4.kv_layout import build_v4_layout
 
         return build_v4_layout(cfg, kv_dtype, compute_dtype, block_size, num_mtp_layers, index_dtype)
 
@@ -74,7 +75,7 @@ class DeepSeekV4(Architecture):
         return ModelRunner(model, cache, num_drafts, static)
 
     def expert_parallel_moe(self, model, a2a, moe, maps):
-        from engine.ep_moe import ExpertParallelMoE
+        from engine.distributed.ep_moe import ExpertParallelMoE
 
         return ExpertParallelMoE(a2a, moe.experts.local_experts, *maps)
 

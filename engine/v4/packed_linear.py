@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from .linear import Linear
+from ..linear import Linear
 
 
 def _stackable(a: Linear, b: Linear) -> bool:

@@ -17,9 +17,9 @@ from torch import nn
 
 import kernels
 
-from .config import ModelConfig
+from ..config import ModelConfig
+from ..linear import Linear
 from .layers import rms_norm
-from .linear import Linear
 from .model import Block, DeepseekV4, HyperHead
 
 

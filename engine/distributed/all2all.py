@@ -13,7 +13,7 @@ group in (source rank, source token, choice) order, with `d.counts[e]` rows for 
 rows from `d.counts.sum()` on are padding (PaddedA2A only) whose results are ignored.
 `combine` returns every result to its source rank, puts it back in (token, choice) order,
 multiplies by the weight in y's dtype and sums the k choices in choice order with the same ops as
-engine/moe.py, so the output is bitwise that of the single-rank MoE wherever the expert arithmetic
+engine/v4/moe.py, so the output is bitwise that of the single-rank MoE wherever the expert arithmetic
 is bitwise the same.
 
 Backends (all are collectives: every rank calls dispatch and combine once per MoE layer per step,
@@ -90,7 +90,7 @@ class A2AStats:
 
 def weighted_sum(y_tk: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """y_tk [T·k, H] in (token, choice) order, weights [T, k] -> [T, H]: the weight is applied in
-    y's dtype and the k choices are summed along one dim, exactly as engine/moe.py does."""
+    y's dtype and the k choices are summed along one dim, exactly as engine/v4/moe.py does."""
     t, k = weights.shape
     y = y_tk * weights.reshape(-1, 1).to(y_tk.dtype)  # [T·k, H]
     return y.view(t, k, y_tk.shape[1]).sum(dim=1).to(out_dtype)  # [T, H]

@@ -21,11 +21,11 @@ import time
 import numpy as np
 import torch
 
+from ..config import ModelConfig, ParallelConfig
+from ..models import registry
 from . import eplb
 from .all2all import NaiveAllGather, PaddedA2A, SlotLayout, TorchA2A
-from .config import ModelConfig, ParallelConfig
 from .ep_moe import ExpertParallelMoE
-from .models import registry
 
 logger = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from torch import nn
 
 from kernels.reference import FP4_GROUP
 
-from .config import ModelConfig
-from .linear import DENSE, GroupedLinear, Linear, RoutedExperts, WeightFormat
+from ..config import ModelConfig
+from ..linear import DENSE, GroupedLinear, Linear, RoutedExperts, WeightFormat
 
 # Leaf names of the projections the release stores as FP8 (outside any compressor).
 RELEASE_FP8 = frozenset({"wq_a", "wq_b", "wkv", "wo_a", "wo_b", "shared_w1", "shared_w2", "shared_w3",

@@ -1,6 +1,6 @@
 """Attention of a static-shape decode/verify step (see decode_batch.py), over a [B, q] grid.
 
-The maths is engine/attention_ops.py's, as on the per-sequence path; what differs is the
+The maths is engine/v4/attention_ops.py's, as on the per-sequence path; what differs is the
 gathering: masks instead of Python loops and data-dependent lengths, so that nothing here reads
 a tensor value on the host and the step is CUDA-graph capturable. History lengths are fixed
 (window − 1 keys, span − 1 compressor rows, every entry the full table can address for the
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from ..kv_cache import PoolRef
 from .attention_ops import finish_entries, index_scores, pool_span, sink_attention, top_k_entries
-from .kv_cache import PoolRef
 
 
 def _history_positions(batch, count: int) -> torch.Tensor:
