@@ -24,7 +24,7 @@ from msgspec import Meta, Struct
 
 from ipc.kv_transfer_params import EngineId
 from ipc import cluster_auth
-from ipc.channel_guard import DropLog, HandshakeMonitor
+from ipc.channel_guard import DropLog, HandshakeMonitor, monitor_socket
 
 MAX_METADATA_BYTES = 16 << 20
 _MAX_MESSAGE_BYTES = MAX_METADATA_BYTES + 1024
@@ -141,9 +141,8 @@ class MetadataFetch:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, _MAX_MESSAGE_BYTES)
         auth.secure_client(self.sock, cluster_auth.KV_SIDE_CHANNEL)
-        self.refusals = self.sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                                                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-                                                     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+        self.refusals = monitor_socket(self.sock, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                                       | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
         self.sock.connect(cluster_auth.tcp_endpoint(self.sock, host, port))
         self.sock.send(_ENCODE(MetadataRequest(name, metadata)), zmq.NOBLOCK)  # queued until connected
 

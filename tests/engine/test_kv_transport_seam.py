@@ -181,7 +181,7 @@ def test_a_prefill_decode_pair_runs_over_the_transport_its_config_names(checkpoi
     from engine.weights import load_model
     from ipc.kv_transfer_params import KVTransferParams
     from ipc.messages import SamplingParams
-    from pd_engines import collect, poison_pools
+    from pd_engines import collect, poison_pools, wait_for_leases
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # two shared cores: no oversubscription
@@ -209,10 +209,7 @@ def test_a_prefill_decode_pair_runs_over_the_transport_its_config_names(checkpoi
         assert done.reason == "length" and tokens == want_tokens
         assert torch.allclose(torch.tensor(logprobs), torch.tensor(want_logprobs), atol=1e-4)
         assert dec.connector.ctx.transport.reads_posted == 1 and dec.connector.ctx.counters.loaded == 1
-        end = time.monotonic() + 10
-        while pre.connector.prefill.leases:  # the READ's completion notice releases the lease
-            assert time.monotonic() < end, "the prefill still holds its lease"
-            pre.step()
+        wait_for_leases(pre, dec)  # the READ's completion notice releases the lease
         assert pre.connector.ctx.counters.released == 1 and pre.connector.ctx.counters.expired == 0
         for e in (pre, dec):
             assert (e.cache.manager.full.num_used, e.cache.manager.sliding.num_used) == (0, 0)
