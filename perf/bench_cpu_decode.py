@@ -3,11 +3,9 @@
 Variants, each an Engine on the same loaded weights (batch B: B prompts of --prompt-len prefilled
 in one step, then --steps decode steps; ms per decode step, and ms for that prefill step):
   default  the engine on CPU with exact fp32 matmuls: decode steps on the static shapes, each one
-           compiled call (kernels/cpu_step.py) where it covers the shape (fp32, raw KV, <= 16
-           rows), else the fused forward op by op; weights kept FP8/FP4 on the fused row kernels
-  head-in  as default, with the LM head inside the compiled call too: the static backend's target
-           step calls FusedDecoder.forward_logits instead of forward + DeepseekV4.logits (the change
-           proposed for engine/cuda_graphs.py's StaticDecodeBackend._forward; patched here)
+           compiled call with the LM head inside (kernels/cpu_step.py) where it covers the shape
+           (fp32, raw KV, <= 16 rows), else the fused forward op by op; weights kept FP8/FP4 on the
+           fused row kernels
   ops-step the static fused forward op by op (engine/v4/fused_decode.py with the numba kernels of
            kernels/cpu_decode.py; FusedDecoder.cpu_step off): the path before the compiled step
   ref-ops  as default, with kernels/cpu_decode.py's ops swapped for their torch references
@@ -30,8 +28,7 @@ per decode step, wall ms of the prefill, and this process's CPU ms per decode st
 without the waits for a core, the figure to compare on a machine others share). --dtype is the
 compute dtype (fp32: what `ringserve serve` runs on CPU).
 
-Then, per batch, where the decode step goes (default, and head-in when it is among the variants;
-medians of --rounds runs), in wall and in this process's CPU milliseconds per step: the engine's
+Then, per batch, where the default decode step goes (medians of --rounds runs), in wall and in this process's CPU milliseconds per step: the engine's
 decode step; the model's static replay (forward and logits, StaticDecodeBackend.replay); the time
 inside the compiled call (`run_step`) and its share of the step (the rest is Python and dispatch:
 the engine's scheduling, sampling and output, and the op calls around the compiled step). CPU
@@ -42,7 +39,7 @@ attention reads), the rate the compiled call reads them at, and how long they ta
 thread's read rate (measured on a DRAM-sized and an L3-sized array) against the call's time.
 
     python perf/bench_cpu_decode.py --model-dir .peer-cache/models/issue41 [--batch 1 16] [--threads 1]
-        [--variants head-in ops-step ref-ops per-seq tiled bf16] [--dtype fp32]
+        [--variants ops-step ref-ops per-seq tiled bf16] [--dtype fp32]
     (.peer-cache/models/NAME: python perf/peer_llamacpp.py make-model DIR --geometry NAME)
 """
 
@@ -70,7 +67,7 @@ from kernels.cpu_precision import matmul_precision
 from perf.bench_quant_gemm import tiled
 from perf.machine import header, set_cpu_threads
 
-VARIANTS = ["default", "head-in", "ops-step", "ref-ops", "per-seq", "tiled", "ops-moe", "generic", "bf16", "bf16-mm"]
+VARIANTS = ["default", "ops-step", "ref-ops", "per-seq", "tiled", "ops-moe", "generic", "bf16", "bf16-mm"]
 
 
 def step_ms(model, batch: int, prompt_len: int, steps: int, static: bool = True,
@@ -110,23 +107,6 @@ def switched(cls, name: str, value):
         yield
     finally:
         setattr(cls, name, saved)
-
-
-@contextlib.contextmanager
-def head_inside():
-    """The static target step as one compiled call with its logits (FusedDecoder.forward_logits)."""
-    real = StaticDecodeBackend._forward
-
-    def forward(backend, shape):
-        if shape.inputs is None and backend.fused is not None:
-            return backend.fused.forward_logits(shape.batch)
-        return real(backend, shape)
-
-    StaticDecodeBackend._forward = forward
-    try:
-        yield
-    finally:
-        StaticDecodeBackend._forward = real
 
 
 @contextlib.contextmanager
@@ -175,9 +155,6 @@ def run_variant(name: str, models: dict, batch: int, args) -> tuple[float, float
             return run()
     if name == "ops-moe":
         with moe_op_by_op(), switched(FusedDecoder, "cpu_step", False):
-            return run()
-    if name == "head-in":
-        with head_inside():
             return run()
     if name == "ops-step":
         with switched(FusedDecoder, "cpu_step", False):
@@ -260,13 +237,14 @@ def read_gb_s(nbytes: int, repeats: int = 5) -> float:
     return nbytes / statistics.median(times) / 1e9
 
 
-def breakdown(models: dict, batch: int, args, dram: float, l3: float, variant: str = "default") -> str:
-    """One line: where the decode step of `batch` goes in `variant` (default or head-in; medians
-    over --rounds runs), in wall and in CPU milliseconds per step."""
+def breakdown(models: dict, batch: int, args, dram: float, l3: float) -> str:
+    """One line: where the default decode step of `batch` goes (medians over --rounds runs), in
+    wall and in CPU milliseconds per step."""
+    variant = "default"
     rows = []
     for _ in range(args.rounds):
         clock = StepClock()
-        with clock.installed(), (head_inside() if variant == "head-in" else contextlib.nullcontext()):
+        with clock.installed():
             step_ms(models["auto"], batch, args.prompt_len, args.steps, on_decode=clock.on_decode)
         n = max(clock.steps, 1)
         rows.append([1000 * v / n for v in (*clock.decode, *clock.model, *clock.kernel)] + [clock.program])
@@ -274,7 +252,7 @@ def breakdown(models: dict, batch: int, args, dram: float, l3: float, variant: s
     program = rows[-1][6]
     if program is None or kernel == 0:
         return f"{variant:>8s} {batch:5d} {step:8.2f} {step_cpu:8.2f}   (no compiled step at this batch: op path)"
-    mb = sum(program.weight_bytes(with_logits=variant == "head-in").values()) / 1e6   # the head: inside or not
+    mb = sum(program.weight_bytes(with_logits=True).values()) / 1e6
     return (f"{variant:>8s} {batch:5d} {step:8.2f} {kernel:8.2f} {100 * kernel / step:6.1f}% {step_cpu:8.2f} "
             f"{model_cpu:8.2f} {kernel_cpu:8.2f} {100 * kernel_cpu / step_cpu:6.1f}% "
             f"{mb:8.2f} {mb / kernel_cpu:8.1f} {mb / dram:8.2f} {mb / l3:8.2f} {100 * mb / l3 / kernel_cpu:6.1f}%")
@@ -351,8 +329,7 @@ def main() -> None:
     print(f"{'variant':>8s} {'batch':>5s} {'step':>8s} {'kernels':>8s} {'share':>7s} {'step cpu':>8s} {'model cpu':>8s} "
           f"{'kern cpu':>8s} {'share':>7s} {'weight MB':>8s} {'GB/s':>8s} {'ms@DRAM':>8s} {'ms@16MiB':>8s} {'roof':>7s}")
     for batch in args.batch:
-        for variant in [v for v in ("default", "head-in") if v in variants]:
-            print(breakdown(models, batch, args, dram, l3, variant), flush=True)
+        print(breakdown(models, batch, args, dram, l3), flush=True)
 
 
 if __name__ == "__main__":

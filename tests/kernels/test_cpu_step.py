@@ -172,19 +172,19 @@ class _Compare:
 
     def __init__(self, monkeypatch):
         self.results = []
-        forward = FusedDecoder.forward
+        forward_logits = FusedDecoder.forward_logits   # the static backend's target step
 
         def both(decoder, batch):
             decoder.cpu_step = False
-            ref = forward(decoder, batch).clone()
+            ref = decoder.forward(batch).clone()
             ref_logits = decoder.model.logits(ref)
             decoder.cpu_step = True
             assert decoder.program(batch) is not None
-            streams, logits = decoder.forward_logits(batch)
+            streams, logits = forward_logits(decoder, batch)
             self.results.append((batch.token_ids.shape[0], ref, streams.clone(), ref_logits, logits.clone()))
-            return streams
+            return streams, logits
 
-        monkeypatch.setattr(FusedDecoder, "forward", both)
+        monkeypatch.setattr(FusedDecoder, "forward_logits", both)
 
 
 @pytest.mark.parametrize("kind", ["dense", "fp8-fp4"])
