@@ -21,7 +21,7 @@ import torch
 
 from . import counter_rng
 from .output_counts import OutputCounts
-from .sampler import SamplingRows, _to_device, probs_device
+from .sampler import SamplingRows, _to_device, probs_device, sample_device
 from .speculative import verify_batch
 from .structured.bitmask import apply_bitmask
 
@@ -89,24 +89,36 @@ class StepSampler:
         rows = SamplingRows(params, seeds, counters, self.device)
         if shifts is not None:  # the noise is keyed by the true positions
             rows.counters = rows.counters + shifts[:, None].expand(num, q_len).reshape(-1)
-        drafts, num_drafts, draft_probs = self._drafts(pending, q_len - 1, vocab, drafts_ahead)
+        drafts = num_drafts = draft_probs = None  # a step without drafts verifies nothing
+        if q_len > 1:
+            drafts, num_drafts, draft_probs = self._drafts(pending, q_len - 1, vocab, drafts_ahead)
         penalized = [i for i, p in enumerate(pending) if p.sched.request.params.has_penalties]
         if penalized:
             at = self._pending_index(penalized)
             slots, rows.penalty = self._penalties(pending, penalized, at, drafts, q_len, vocab)
         masked = self._apply_grammars(pending, sel, q_len)  # structured outputs; logprobs stay raw
-        probs = probs_device(masked.view(num * q_len, vocab), rows).view(num, q_len, vocab)
-        counter_grid = rows.counters.view(num, q_len)
-        seed_grid = rows.seeds.view(num, q_len)
-        accept_u = counter_rng.uniform(counter_rng.row_keys(seed_grid[:, :-1].reshape(-1),
-                                                            counter_grid[:, :-1].reshape(-1), counter_rng.ACCEPT))
-        keys = None if rows.all_greedy else counter_rng.row_keys(rows.seeds, rows.counters, counter_rng.SAMPLE)
-        emitted, accepted = verify_batch(probs, drafts, draft_probs, num_drafts, accept_u.view(num, q_len - 1),
-                                         None if keys is None else keys.view(num, q_len))
+        if q_len == 1:
+            emitted, accepted = _draw(masked.view(num, vocab), rows)
+        else:
+            emitted, accepted = self._verify(masked, rows, drafts, num_drafts, draft_probs)
         if penalized:  # the next step's (and this step's drafts') penalties count these tokens
             self.output_counts.add(slots, emitted[at])
         finite = torch.isfinite(sel).flatten(1).all(dim=-1)
         return DeviceSample(emitted, accepted, finite, self._logprobs(pending, sel, emitted))
+
+    @staticmethod
+    def _verify(masked: torch.Tensor, rows: SamplingRows, drafts: torch.Tensor, num_drafts: torch.Tensor,
+                draft_probs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(emitted [P, Q], num_accepted [P]) of a step with drafts: rejection sampling over the
+        distributions of masked [P, Q, V]."""
+        num, q_len, vocab = masked.shape
+        probs = probs_device(masked.view(num * q_len, vocab), rows).view(num, q_len, vocab)
+        counter_grid, seed_grid = rows.counters.view(num, q_len), rows.seeds.view(num, q_len)
+        accept_u = counter_rng.uniform(counter_rng.row_keys(seed_grid[:, :-1].reshape(-1),
+                                                            counter_grid[:, :-1].reshape(-1), counter_rng.ACCEPT))
+        keys = None if rows.all_greedy else counter_rng.row_keys(rows.seeds, rows.counters, counter_rng.SAMPLE)
+        return verify_batch(probs, drafts, draft_probs, num_drafts, accept_u.view(num, q_len - 1),
+                            None if keys is None else keys.view(num, q_len))
 
     def _apply_grammars(self, pending: list, sel: torch.Tensor, q_len: int) -> torch.Tensor:
         """sel [P, Q, V] with every grammar-constrained row masked (engine/structured/): one
@@ -211,6 +223,19 @@ class StepSampler:
             return chosen, None, None
         values, ids = logp.topk(top_n, dim=-1)
         return chosen, ids, values
+
+
+def _draw(logits: torch.Tensor, rows: SamplingRows) -> tuple[torch.Tensor, torch.Tensor]:
+    """(emitted [P, 1], num_accepted [P] zeros) of a step without drafts, from logits [P, V]:
+    what verify_batch gives with D = 0 (the race over each row's distribution under its SAMPLE
+    key), in fewer ops. Greedy rows without penalties take the logits' argmax, which is the
+    one-hot's (both the first maximum)."""
+    if rows.all_greedy and rows.penalty is None:
+        token = logits.argmax(-1)
+    else:
+        keys = None if rows.all_greedy else counter_rng.row_keys(rows.seeds, rows.counters, counter_rng.SAMPLE)
+        token = sample_device(probs_device(logits, rows), keys)
+    return token[:, None], torch.zeros_like(token)
 
 
 def _device_ints(rows: list[list[int]], device) -> torch.Tensor:

@@ -24,6 +24,40 @@ from tests.sampling_reference import to_probs, verify
 TRIALS = 20000
 
 
+def _python_key(seed: int, counter: int, purpose: int) -> int:
+    """The hash as engine/counter_rng.py's docstring states it, in Python integers."""
+    def mix(x):
+        for _ in range(2):
+            x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
+        return (x >> 16) ^ x
+    seed &= 2**64 - 1                                        # int64 bits → the two 32-bit halves
+    key = mix(seed & 0xFFFFFFFF)
+    key = mix(key ^ (seed >> 32))
+    key = mix(key ^ (counter & 0xFFFFFFFF))
+    return mix(key ^ ((purpose * 0x9E3779B9) & 0xFFFFFFFF))
+
+
+def test_the_cpu_hash_kernel_equals_the_torch_ops_bit_for_bit():
+    """CPU tensors hash in one numba call (kernels/cpu_counter_hash.py); the captured GPU path
+    runs the torch ops. Both must give the same keys and uniforms, and the stated hash."""
+    g = torch.Generator().manual_seed(5)
+    seeds = torch.cat((torch.tensor([0, 1, -1, -5, 2**62, 2**63 - 1, -(2**63)]),
+                       torch.randint(-(2**62), 2**62, (200,), generator=g)))
+    counters = torch.cat((torch.tensor([0, 1, 2**32 - 1, 2**32, 2**40 + 3, 7, 9]),
+                          torch.randint(0, 2**40, (200,), generator=g)))
+    for purpose in (counter_rng.SAMPLE, counter_rng.ACCEPT, counter_rng.RECOVER, counter_rng.DRAFT):
+        keys = counter_rng.row_keys(seeds, counters, purpose)
+        assert torch.equal(keys, counter_rng.row_keys_ops(seeds, counters, purpose))
+        assert keys.tolist()[:7] == [_python_key(s, c, purpose) for s, c in zip(seeds.tolist()[:7], counters.tolist()[:7])]
+    strided = seeds[::3], counters[1::3][: seeds[::3].shape[0]]    # views, not contiguous
+    assert torch.equal(counter_rng.row_keys(*strided, 1), counter_rng.row_keys_ops(*strided, 1))
+    assert counter_rng.row_keys(seeds[:0], counters[:0], 1).shape == (0,)
+    for width in (1, 7, 1000, 4099):
+        u = counter_rng.uniform(keys[:5], width)
+        assert u.dtype == torch.float32 and torch.equal(u, counter_rng.uniform_ops(keys[:5], width))
+        assert torch.equal(counter_rng.exponential(keys[:5], width), -torch.log(counter_rng.uniform_ops(keys[:5], width)))
+
+
 def test_counter_noise_is_a_pure_function_of_its_coordinates():
     seeds = torch.tensor([0, 1, -5, 2**62, 7])
     counters = torch.tensor([3, 3, 3, 3, 9])
