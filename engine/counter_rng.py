@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cpu_counter_hash
-from kernels.cpu_counter_hash import GOLDEN as _GOLDEN, MASK as _MASK, MUL as _MUL
+from kernels import cpu_sampling
+from kernels.cpu_sampling import GOLDEN as _GOLDEN, MASK as _MASK, MUL as _MUL
 
 SAMPLE, ACCEPT, RECOVER, DRAFT = 1, 2, 3, 4  # purposes
 
@@ -32,7 +32,7 @@ def row_keys(seeds: torch.Tensor, counters: torch.Tensor, purpose: int) -> torch
     seeds, counters: [R] int64 (any values; negative seeds are fine). Returns [R] int64."""
     if _on_host(seeds, counters):  # one numba call instead of ~35 dispatches, the same bits
         out = torch.empty(seeds.shape[0], dtype=torch.int64)
-        cpu_counter_hash.row_keys(seeds.contiguous().numpy(), counters.contiguous().numpy(), purpose, out.numpy())
+        cpu_sampling.row_keys(seeds.contiguous().numpy(), counters.contiguous().numpy(), purpose, out.numpy())
         return out
     return row_keys_ops(seeds, counters, purpose)
 
@@ -49,7 +49,7 @@ def uniform(keys: torch.Tensor, width: int | None = None) -> torch.Tensor:
     """Uniform (0, 1) fp32 noise: [R] from the keys, or [R, width] (one value per index)."""
     if width is not None and _on_host(keys):
         out = torch.empty(keys.shape[0], width, dtype=torch.float32)
-        cpu_counter_hash.uniform_grid(keys.contiguous().numpy(), out.numpy())
+        cpu_sampling.uniform_grid(keys.contiguous().numpy(), out.numpy())
         return out
     return uniform_ops(keys, width)
 
@@ -64,6 +64,17 @@ def uniform_ops(keys: torch.Tensor, width: int | None = None) -> torch.Tensor:
 def exponential(keys: torch.Tensor, width: int) -> torch.Tensor:
     """Exp(1) noise [R, width] (−log of the uniform): the exponential race's denominators."""
     return -torch.log(uniform(keys, width))
+
+
+def race(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """The exponential race: one token per row of probs [R, V], argmax(p / E) with E ~ Exp(1)
+    from keys [R], which picks token i with probability p_i. [R] int64."""
+    if _on_host(probs, keys):  # the division and the argmax fused, the same token
+        out = torch.empty(probs.shape[0], dtype=torch.int64)
+        log_u = torch.log(uniform(keys, probs.shape[-1]))
+        cpu_sampling.race_argmax(probs.float().contiguous().numpy(), log_u.numpy(), out.numpy())
+        return out
+    return (probs / exponential(keys, probs.shape[-1])).argmax(-1)
 
 
 def _on_host(*tensors: torch.Tensor) -> bool:

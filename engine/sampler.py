@@ -46,6 +46,7 @@ class SamplingRows:
     def __init__(self, params: list[SamplingParams], seeds: list[int], counters: list[int], device):
         self.num_rows = len(params)
         self.all_greedy = all(p.greedy for p in params)
+        self.any_greedy = any(p.greedy for p in params)
         self.any_shaping = any(p.shapes_distribution and not p.greedy for p in params)
         self.penalty: tuple[torch.Tensor, torch.Tensor] | None = None
         floats = torch.tensor([[p.temperature if not p.greedy else 1.0 for p in params],
@@ -76,13 +77,15 @@ def probs_device(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
         frequency, presence = rows.frequency_penalty[at, None], rows.presence_penalty[at, None]
         logits = logits.clone()
         logits[at] = logits[at] - (frequency * counts + presence * (counts > 0).float())
-    one_hot = torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    one_hot = None
+    if rows.any_greedy:  # (host-known: a step of sampled rows only skips the argmax and the select)
+        one_hot = torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     if rows.all_greedy:
         return one_hot
     probs = torch.softmax(logits.float() / rows.temperature[:, None], dim=-1)
     if rows.any_shaping:
         probs = shape_rows(probs, rows.top_k, rows.top_p, rows.min_p)
-    return torch.where(rows.greedy[:, None], one_hot, probs)
+    return probs if one_hot is None else torch.where(rows.greedy[:, None], one_hot, probs)
 
 
 def shape_rows(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -105,6 +108,6 @@ def sample_device(probs: torch.Tensor, keys: torch.Tensor | None) -> torch.Tenso
     counter noise E (engine/counter_rng.py) from `keys` [R]; keys None: every row is one-hot."""
     if keys is None:
         return probs.argmax(-1)
-    from .counter_rng import exponential
+    from .counter_rng import race
 
-    return (probs / exponential(keys, probs.shape[-1])).argmax(-1)
+    return race(probs, keys)

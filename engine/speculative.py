@@ -54,9 +54,9 @@ def verify_batch(target: torch.Tensor, drafts: torch.Tensor, draft_probs: torch.
     if recover_keys is None:  # every row one-hot (greedy): the draw is the argmax
         token = p_sel.argmax(-1)
     else:
-        from .counter_rng import exponential
+        from .counter_rng import race
 
-        token = (p_sel / exponential(recover_keys[rows, num_accepted], vocab)).argmax(-1)  # [P]
+        token = race(p_sel, recover_keys[rows, num_accepted])  # [P]
     j = torch.arange(q_len, device=target.device)[None, :]
     padded = torch.cat((drafts, drafts.new_zeros(p_count, 1)), dim=1) if d else drafts.new_zeros(p_count, 1)
     emitted = torch.where(j < num_accepted[:, None], padded, -1)

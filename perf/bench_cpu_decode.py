@@ -73,7 +73,7 @@ VARIANTS = ["default", "ops-step", "ref-ops", "per-seq", "tiled", "ops-moe", "ge
 def step_ms(model, batch: int, prompt_len: int, steps: int, static: bool = True,
             on_decode=None) -> tuple[float, float, float]:
     """(wall ms per decode step, wall ms of the prefill step before them, this process's CPU ms per
-    decode step): one measurement. on_decode(engine, decode steps): called before (0) and after
+    decode step, the first decode step left out: one measurement. on_decode(engine, decode steps): called before (0) and after
     the decode steps."""
     engine = Engine(model, EngineConfig(max_num_seqs=batch, max_num_batched_tokens=batch * prompt_len,
                                         num_kv_blocks=batch * (-(-(prompt_len + steps) // 256) + 2) + 4,
@@ -82,10 +82,11 @@ def step_ms(model, batch: int, prompt_len: int, steps: int, static: bool = True,
     g = torch.Generator().manual_seed(batch)
     for i in range(batch):
         prompt = torch.randint(3, model.cfg.vocab_size - 1, (prompt_len,), generator=g).tolist()
-        engine.add_request(i, prompt, SamplingParams(max_tokens=steps + 1, ignore_eos=True))
+        engine.add_request(i, prompt, SamplingParams(max_tokens=steps + 2, ignore_eos=True))
     t0 = time.perf_counter()
     engine.step()                                            # the prefill (every prompt fits one step)
     prefill_ms = 1000 * (time.perf_counter() - t0)
+    engine.step()          # the first decode step builds its shape's compiled program: once per shape, not per step
     if on_decode is not None:
         on_decode(engine, 0)                                 # the prefill's share is not the decode's
     t0, c0, n = time.perf_counter(), time.process_time(), 0

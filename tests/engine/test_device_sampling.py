@@ -58,6 +58,26 @@ def test_the_cpu_hash_kernel_equals_the_torch_ops_bit_for_bit():
         assert torch.equal(counter_rng.exponential(keys[:5], width), -torch.log(counter_rng.uniform_ops(keys[:5], width)))
 
 
+def test_the_cpu_race_picks_torch_ops_token():
+    """counter_rng.race on CPU (numba's fused division and argmax) against the torch ops, over
+    peaked, flat, tied, sparse (top-k/top-p zeros) and one-hot rows, and a row with a NaN."""
+    g = torch.Generator().manual_seed(3)
+    for vocab in (1, 2, 50, 1000, 32000):
+        logits = torch.randn(64, vocab, generator=g) * torch.linspace(0.1, 30, 64)[:, None]
+        probs = torch.softmax(logits, -1)
+        probs[1] = 1.0 / vocab                                     # flat: ties everywhere
+        probs[2] = torch.where(probs[2] >= probs[2].median(), probs[2], 0.0)
+        probs[3] = 0.0
+        probs[3, vocab // 2] = 1.0                                 # one-hot
+        probs[4] = 0.0                                             # all zero: the first index
+        if vocab > 3:
+            probs[5, 3] = float("nan")
+        keys = counter_rng.row_keys(torch.arange(64) * 7919 - 5, torch.arange(64) + 11, counter_rng.SAMPLE)
+        want = (probs / -torch.log(counter_rng.uniform_ops(keys, vocab))).argmax(-1)
+        assert torch.equal(counter_rng.race(probs, keys), want), vocab
+        assert torch.equal(counter_rng.race(probs[::2], keys[::2]), want[::2])    # strided rows
+
+
 def test_counter_noise_is_a_pure_function_of_its_coordinates():
     seeds = torch.tensor([0, 1, -5, 2**62, 7])
     counters = torch.tensor([3, 3, 3, 3, 9])

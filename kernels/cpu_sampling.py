@@ -1,11 +1,14 @@
-"""The sampler's counter hash (engine/counter_rng.py) for CPU tensors in one numba call.
+"""The sampler's CPU kernels: the counter hash (engine/counter_rng.py) and the exponential race's
+argmax (engine/sampler.py), each one numba call instead of a chain of torch ops.
 
 On the GPU the hash is ~35 small torch ops a step, launched without a host sync; on the CPU each
 of them is a dispatch of a few microseconds, ~75 µs per `row_keys` call, and the uniform grid of
 an exponential race runs eight passes over [R, vocab] int64 temporaries. Here the same integer
 arithmetic runs as one loop: keys and uniforms equal the torch path bit for bit (int64 maths on
 values below 2^32 times a multiplier below 2^31 never overflows; a uniform is (x >> 9) + ½ scaled
-by 2^-23, exact in fp32), so a seed draws the same tokens whichever path hashed it.
+by 2^-23, exact in fp32), so a seed draws the same tokens whichever path hashed it. The race
+takes torch's log of the uniforms (its SLEEF log is not reproduced here) and fuses the negation,
+the fp32 division and the argmax, which are exact operations, so its token is torch's too.
 """
 from __future__ import annotations
 
@@ -47,3 +50,20 @@ def uniform_grid(keys, out):
         for j in range(out.shape[1]):
             x = mix(key ^ ((j * GOLDEN) & MASK))
             out[r, j] = (np.float32(x >> 9) + _HALF) * _SCALE
+
+
+@njit(cache=True)
+def race_argmax(probs, log_u, out):
+    """out[r] = argmax_j probs[r, j] / −log_u[r, j] in fp32: torch's `(probs / E).argmax(-1)` with
+    E = −log u (the first maximum; a NaN wins at its first place, as torch's argmax has it).
+    probs, log_u: [R, V] fp32; out: [R] int64."""
+    for r in range(probs.shape[0]):
+        best, at = -np.inf, 0
+        for j in range(probs.shape[1]):
+            v = probs[r, j] / -log_u[r, j]
+            if v != v:
+                at = j
+                break
+            if v > best:
+                best, at = v, j
+        out[r] = at
