@@ -19,8 +19,11 @@ from llama.cpp's own converter at benchmark time (perf/peer_llamacpp.py, cached 
 Exits 2 with one line if `ringserve serve` does not exist, the peer cannot be built, or a server
 does not come up (a peer that fails after ringserve was measured still gets ringserve's table,
 its own cells n/a). --server-env sets a variable for both servers, --ringserve-env for ringserve
-only (e.g. OMP_WAIT_POLICY=PASSIVE: on cores other work shares, OpenMP helpers that spin at every
-parallel region's end cost ringserve's many small regions far more than llama.cpp's).
+only. Mind OpenMP's wait policy: llama-server's threads spin between the ops of its graph by
+default, ringserve's workers sleep (OMP_WAIT_POLICY=PASSIVE unless set, robust on shared cores).
+On a machine the two servers have to themselves, compare them both spinning
+(`--ringserve-env OMP_WAIT_POLICY=ACTIVE`); `--server-env OMP_WAIT_POLICY=PASSIVE` makes llama.cpp
+sleep at every op's barrier (4× slower on the issue41 geometry on a 2-core EPYC), not a fair race.
 """
 
 from __future__ import annotations
@@ -276,10 +279,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="llama.cpp sdist, build and GGUF cache (llama.cpp peer)")
     ap.add_argument("--build-jobs", type=int, default=2, help="ninja jobs for building llama-server")
     ap.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
-                    help="an environment variable for both servers (repeatable), e.g. OMP_WAIT_POLICY=PASSIVE "
-                         "on a machine whose cores other work shares")
+                    help="an environment variable for both servers (repeatable)")
     ap.add_argument("--ringserve-env", action="append", default=[], metavar="KEY=VALUE",
-                    help="an environment variable for ringserve only (repeatable)")
+                    help="an environment variable for ringserve only (repeatable), e.g. OMP_WAIT_POLICY=ACTIVE "
+                         "to spin as llama-server's threads do on a machine the servers have to themselves")
     ap.add_argument("--ctx-per-slot", type=int, default=1024, help="llama-server context per parallel slot")
     a = ap.parse_args(argv)
     try:
