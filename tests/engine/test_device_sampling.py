@@ -38,7 +38,7 @@ def _python_key(seed: int, counter: int, purpose: int) -> int:
 
 
 def test_the_cpu_hash_kernel_equals_the_torch_ops_bit_for_bit():
-    """CPU tensors hash in one numba call (kernels/cpu_counter_hash.py); the captured GPU path
+    """CPU tensors hash in one numba call (kernels/cpu_sampling.py); the captured GPU path
     runs the torch ops. Both must give the same keys and uniforms, and the stated hash."""
     g = torch.Generator().manual_seed(5)
     seeds = torch.cat((torch.tensor([0, 1, -1, -5, 2**62, 2**63 - 1, -(2**63)]),
