@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kernels import cpu_sampling
+
 from . import counter_rng
 from .output_counts import OutputCounts
 from .sampler import SamplingRows, _to_device, probs_device, sample_device
@@ -73,6 +75,8 @@ class StepSampler:
         speculation: `shifts` [P] adds to each request's positions (ScheduledRequest.shift), and
         the drafts of the requests in `drafts_ahead` are the step in flight's device tensors."""
         q_len = 1 + max(p.sched.num_draft for p in pending)
+        if q_len == 1 and _plain_greedy_on_host(pending, logits):
+            return _greedy_on_host(pending, logits)
         index, params, seeds, counters = [], [], [], []
         for p in pending:
             s, req = p.sched, p.sched.request
@@ -225,6 +229,29 @@ class StepSampler:
         return chosen, ids, values
 
 
+def _plain_greedy_on_host(pending: list, logits: torch.Tensor) -> bool:
+    """Whether a step without drafts is greedy argmax and nothing else: CPU fp32 logits, no
+    penalties, grammars or logprobs."""
+    if not (type(logits) is torch.Tensor and logits.device.type == "cpu" and logits.dtype == torch.float32
+            and logits.is_contiguous()):
+        return False
+    for p in pending:
+        req = p.sched.request
+        if not req.params.greedy or req.params.has_penalties or req.grammar is not None or req.params.logprobs is not None:
+            return False
+    return True
+
+
+def _greedy_on_host(pending: list, logits: torch.Tensor) -> DeviceSample:
+    """The general path's DeviceSample for `_plain_greedy_on_host` steps in one numba pass per
+    row (kernels/cpu_sampling.py: argmax and finiteness together), without gathering the rows."""
+    rows = np.fromiter((p.logit_rows.stop - 1 for p in pending), np.int64, len(pending))
+    token = torch.empty(len(pending), dtype=torch.int64)
+    finite = torch.empty(len(pending), dtype=torch.bool)
+    cpu_sampling.greedy_rows(logits.numpy(), rows, token.numpy(), finite.numpy())
+    return DeviceSample(token[:, None], torch.zeros_like(token), finite, None)
+
+
 def _draw(logits: torch.Tensor, rows: SamplingRows) -> tuple[torch.Tensor, torch.Tensor]:
     """(emitted [P, 1], num_accepted [P] zeros) of a step without drafts, from logits [P, V]:
     what verify_batch gives with D = 0 (the race over each row's distribution under its SAMPLE
@@ -270,7 +297,7 @@ class PendingRead:
         """Block until the copy has landed (the step's one host sync) and split it."""
         if self.event is not None:
             self.event.synchronize()
-        parts = iter(np.split(self.blob.numpy(), np.cumsum(self.sizes)[:-1]))
+        parts = iter(_cut(self.blob.numpy(), self.sizes))
         emitted = accepted = finite = None
         if self.emitted_shape is not None:
             emitted = next(parts).reshape(self.emitted_shape)
@@ -284,6 +311,15 @@ class PendingRead:
                 top_ids = next(parts).reshape(ids_shape)
                 top_values = next(parts).view(np.float64).reshape(values_shape)
         return HostSample(emitted, accepted, finite, drafts, chosen, top_ids, top_values)
+
+
+def _cut(blob: np.ndarray, sizes: list[int]):
+    """Consecutive views of blob, sizes[i] elements each (np.split's result, without its
+    per-call array work: this runs once per step)."""
+    start = 0
+    for size in sizes:
+        yield blob[start : start + size]
+        start += size
 
 
 def start_read(sample: DeviceSample | None, drafts: torch.Tensor | None) -> PendingRead | None:

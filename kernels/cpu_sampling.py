@@ -12,6 +12,8 @@ the fp32 division and the argmax, which are exact operations, so its token is to
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from numba import njit
 
@@ -67,3 +69,25 @@ def race_argmax(probs, log_u, out):
             if v > best:
                 best, at = v, j
         out[r] = at
+
+
+@njit(cache=True)
+def greedy_rows(logits, rows, token, finite):
+    """For each i: token[i] = argmax of logits[rows[i]] (torch's: the first maximum, or the first
+    NaN) and finite[i] = whether every logit of that row is finite, in one pass over the row.
+    logits [N, V] fp32; rows [P] int64; token [P] int64; finite [P] bool."""
+    for i in range(rows.shape[0]):
+        row = logits[rows[i]]
+        best, at = row[0], 0
+        nan = best != best
+        ok = math.isfinite(best)
+        for j in range(1, row.shape[0]):
+            v = row[j]
+            if not math.isfinite(v):
+                ok = False
+            if not nan:
+                if v != v:
+                    at, nan = j, True
+                elif v > best:
+                    best, at = v, j
+        token[i], finite[i] = at, ok

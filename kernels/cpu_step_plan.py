@@ -19,6 +19,8 @@ counter moves) rebuilds the program and remakes the copy.
 """
 from __future__ import annotations
 
+import operator
+
 import numba
 import numpy as np
 import torch
@@ -80,6 +82,7 @@ class _Arrays:
         self.h3 = List.empty_list(numba.uint16[:, :, ::1])
         self.keep: list = []                     # tensors the views alias (kept alive)
         self.watch: list[tuple[dict, str, object]] = []   # (holder, key, object) checked before each run
+        self._watched: tuple | None = None       # the same, transposed, when the first run checks it
         self.versions: list[tuple[torch.Tensor, int]] = []  # (parameter, version) of each bf16 copy's source
 
     def add(self, kind: str, t: torch.Tensor | np.ndarray, dtype=np.float32) -> int:
@@ -100,7 +103,11 @@ class _Arrays:
         self.watch.append((module._parameters, name, module._parameters[name]))
 
     def unchanged(self) -> bool:
-        return (all(holder.get(key) is obj for holder, key, obj in self.watch)
+        if self._watched is None:                # (holders, keys, objects) as three tuples, once
+            self._watched = tuple(map(tuple, zip(*self.watch))) if self.watch else ((), (), ())
+        holders, keys, objects = self._watched
+        # C-level loops: this runs before every step, and ~120 generator steps cost ~20 µs cold
+        return (all(map(operator.is_, map(dict.get, holders, keys), objects))
                 and all(_version(t) == v for t, v in self.versions))
 
 

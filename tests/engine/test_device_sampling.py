@@ -303,3 +303,25 @@ def test_one_host_read_per_static_decode_step(model, spec):
     assert len(decode) >= 3 and len(steps) > len(decode)  # the prefill step ran per-sequence
     assert all(len(calls) == 1 for calls in decode), decode  # the one read back
     assert not spec or engine.stats.spec_draft_tokens > 0  # verify steps with MTP drafts were among them
+
+
+def test_the_cpu_greedy_pass_equals_argmax_and_isfinite():
+    """kernels/cpu_sampling.greedy_rows (a greedy step's one pass per row on CPU) against torch's
+    argmax (first maximum, first NaN) and isfinite over ties, infinities and NaNs."""
+    from kernels import cpu_sampling
+
+    g = torch.Generator().manual_seed(9)
+    logits = torch.randn(12, 300, generator=g)
+    logits[1] = 0.5                                            # all tied: index 0
+    logits[2, 7] = logits[2, 200] = 99.0                       # tied maximum: the first
+    logits[3, 5] = float("inf")
+    logits[4, 10], logits[4, 0] = float("-inf"), float("-inf")
+    logits[5, 17], logits[5, 40] = float("nan"), 1e9            # a NaN before the maximum wins
+    logits[6, 0] = float("nan")
+    logits[7] = float("-inf")
+    logits[8, 299] = float("nan")
+    rows = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 8, 11, 2, 9])  # any order, repeats
+    token, finite = torch.empty(12, dtype=torch.int64), torch.empty(12, dtype=torch.bool)
+    cpu_sampling.greedy_rows(logits.numpy(), rows.numpy(), token.numpy(), finite.numpy())
+    assert torch.equal(token, logits[rows].argmax(-1))
+    assert torch.equal(finite, torch.isfinite(logits[rows]).all(-1))
