@@ -30,7 +30,7 @@ def row_keys(seeds: torch.Tensor, counters: torch.Tensor, purpose: int) -> torch
     """One 32-bit key per row from its 64-bit seed, its counter (token position) and the purpose.
 
     seeds, counters: [R] int64 (any values; negative seeds are fine). Returns [R] int64."""
-    if _on_host(seeds, counters):  # one numba call instead of ~35 dispatches, the same bits
+    if on_host(seeds, counters):  # one numba call instead of ~35 dispatches, the same bits
         out = torch.empty(seeds.shape[0], dtype=torch.int64)
         cpu_sampling.row_keys(seeds.contiguous().numpy(), counters.contiguous().numpy(), purpose, out.numpy())
         return out
@@ -47,7 +47,7 @@ def row_keys_ops(seeds: torch.Tensor, counters: torch.Tensor, purpose: int) -> t
 
 def uniform(keys: torch.Tensor, width: int | None = None) -> torch.Tensor:
     """Uniform (0, 1) fp32 noise: [R] from the keys, or [R, width] (one value per index)."""
-    if width is not None and _on_host(keys):
+    if width is not None and on_host(keys):
         out = torch.empty(keys.shape[0], width, dtype=torch.float32)
         cpu_sampling.uniform_grid(keys.contiguous().numpy(), out.numpy())
         return out
@@ -69,7 +69,7 @@ def exponential(keys: torch.Tensor, width: int) -> torch.Tensor:
 def race(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """The exponential race: one token per row of probs [R, V], argmax(p / E) with E ~ Exp(1)
     from keys [R], which picks token i with probability p_i. [R] int64."""
-    if _on_host(probs, keys):  # the division and the argmax fused, the same token
+    if on_host(probs, keys):  # the division and the argmax fused, the same token
         out = torch.empty(probs.shape[0], dtype=torch.int64)
         log_u = torch.log(uniform(keys, probs.shape[-1]))
         cpu_sampling.race_argmax(probs.float().contiguous().numpy(), log_u.numpy(), out.numpy())
@@ -77,6 +77,6 @@ def race(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return (probs / exponential(keys, probs.shape[-1])).argmax(-1)
 
 
-def _on_host(*tensors: torch.Tensor) -> bool:
-    """Plain CPU tensors numpy can view (not fake, meta or traced ones)."""
+def on_host(*tensors: torch.Tensor) -> bool:
+    """Plain CPU tensors numpy can view (not fake, meta or traced ones): the CPU kernels' inputs."""
     return all(type(t) is torch.Tensor and t.device.type == "cpu" for t in tensors)

@@ -120,7 +120,7 @@ class StepSampler:
         counter_grid, seed_grid = rows.counters.view(num, q_len), rows.seeds.view(num, q_len)
         accept_u = counter_rng.uniform(counter_rng.row_keys(seed_grid[:, :-1].reshape(-1),
                                                             counter_grid[:, :-1].reshape(-1), counter_rng.ACCEPT))
-        keys = None if rows.all_greedy else counter_rng.row_keys(rows.seeds, rows.counters, counter_rng.SAMPLE)
+        keys = _sample_keys(rows)
         return verify_batch(probs, drafts, draft_probs, num_drafts, accept_u.view(num, q_len - 1),
                             None if keys is None else keys.view(num, q_len))
 
@@ -232,8 +232,7 @@ class StepSampler:
 def _plain_greedy_on_host(pending: list, logits: torch.Tensor) -> bool:
     """Whether a step without drafts is greedy argmax and nothing else: CPU fp32 logits, no
     penalties, grammars or logprobs."""
-    if not (type(logits) is torch.Tensor and logits.device.type == "cpu" and logits.dtype == torch.float32
-            and logits.is_contiguous()):
+    if not (counter_rng.on_host(logits) and logits.dtype == torch.float32 and logits.is_contiguous()):
         return False
     for p in pending:
         req = p.sched.request
@@ -260,9 +259,13 @@ def _draw(logits: torch.Tensor, rows: SamplingRows) -> tuple[torch.Tensor, torch
     if rows.all_greedy and rows.penalty is None:
         token = logits.argmax(-1)
     else:
-        keys = None if rows.all_greedy else counter_rng.row_keys(rows.seeds, rows.counters, counter_rng.SAMPLE)
-        token = sample_device(probs_device(logits, rows), keys)
+        token = sample_device(probs_device(logits, rows), _sample_keys(rows))
     return token[:, None], torch.zeros_like(token)
+
+
+def _sample_keys(rows: SamplingRows) -> torch.Tensor | None:
+    """Each row's SAMPLE key [R] for the race; None when every row is one-hot (greedy)."""
+    return None if rows.all_greedy else counter_rng.row_keys(rows.seeds, rows.counters, counter_rng.SAMPLE)
 
 
 def _device_ints(rows: list[list[int]], device) -> torch.Tensor:

@@ -81,8 +81,10 @@ class _Arrays:
         self.h2 = List.empty_list(numba.uint16[:, ::1])
         self.h3 = List.empty_list(numba.uint16[:, :, ::1])
         self.keep: list = []                     # tensors the views alias (kept alive)
-        self.watch: list[tuple[dict, str, object]] = []   # (holder, key, object) checked before each run
-        self._watched: tuple | None = None       # the same, transposed, when the first run checks it
+        # Checked before each run: holders[i][keys[i]] is still objects[i] (holders: dicts).
+        self.holders: list[dict] = []
+        self.keys: list = []
+        self.objects: list = []
         self.versions: list[tuple[torch.Tensor, int]] = []  # (parameter, version) of each bf16 copy's source
 
     def add(self, kind: str, t: torch.Tensor | np.ndarray, dtype=np.float32) -> int:
@@ -99,15 +101,18 @@ class _Arrays:
         """The tuple run_step takes (kernels/cpu_step_layout.py's order)."""
         return self.f1, self.f2, self.f3, self.u2, self.u3, self.i2, self.h2, self.h3
 
+    def watch(self, holder: dict, key) -> None:
+        """Rebuild the program if holder[key] is ever replaced."""
+        self.holders.append(holder)
+        self.keys.append(key)
+        self.objects.append(holder[key])
+
     def watch_param(self, module: torch.nn.Module, name: str) -> None:
-        self.watch.append((module._parameters, name, module._parameters[name]))
+        self.watch(module._parameters, name)
 
     def unchanged(self) -> bool:
-        if self._watched is None:                # (holders, keys, objects) as three tuples, once
-            self._watched = tuple(map(tuple, zip(*self.watch))) if self.watch else ((), (), ())
-        holders, keys, objects = self._watched
         # C-level loops: this runs before every step, and ~120 generator steps cost ~20 µs cold
-        return (all(map(operator.is_, map(dict.get, holders, keys), objects))
+        return (all(map(operator.is_, map(dict.get, self.holders, self.keys), self.objects))
                 and all(_version(t) == v for t, v in self.versions))
 
 
@@ -319,9 +324,8 @@ class StepProgram:
         """A raw fp32 pool (or compressor state) as [slots, width] rows in f2."""
         if ref.pool.spec.fmt != "fp32":
             raise Unsupported(f"a {ref.pool.spec.fmt} KV pool")
-        t = ref.pool.tensors[ref.layer]
-        self.arrays.watch.append((ref.pool.tensors, ref.layer, t))
-        return self.arrays.add("f2", t.view(-1, width))
+        self.arrays.watch(ref.pool.tensors, ref.layer)
+        return self.arrays.add("f2", ref.pool.tensors[ref.layer].view(-1, width))
 
     def _compressor(self, row: list, row_f: list, comp, rows_ref, entries_ref, spans: list[int], cols: tuple,
                     dim: int) -> None:
