@@ -34,15 +34,18 @@ class BlockAllocator:
     """A fixed set of block ids with reference counts. Id 0 is reserved as the dummy block that
     padding rows (and CUDA-graph padding) point at; it is never handed out.
 
-    Free ids wait in a queue, least recently freed first; a free id may still hold a cached
-    block (`cached` maps its content hash to it). `allocate` takes from the front, evicting."""
+    Free ids wait in a queue, least recently freed first, behind the ids never handed out (kept
+    as a range, not listed: a tiny model's budget can hold tens of millions of blocks); a free id
+    may still hold a cached block (`cached` maps its content hash to it). `allocate` takes from
+    the front, evicting."""
 
     def __init__(self, num_blocks: int):
         if num_blocks < 2:
             raise ValueError(f"need at least 2 blocks (1 usable + the dummy), got {num_blocks}")
         self.num_blocks = num_blocks
         self.refcount = np.zeros(num_blocks, dtype=np.int32)
-        self.free_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
+        self.next_fresh = 1  # ids [next_fresh, num_blocks) were never handed out (all free)
+        self.free_ids: OrderedDict[int, None] = OrderedDict()  # ids handed out and freed since
         self.cached: dict[bytes, int] = {}  # content hash → block id (referenced or free)
         self.hash_of: dict[int, bytes] = {}  # the inverse
         self.on_evict: Callable[[bytes], None] | None = None  # told each hash that stops being cached
@@ -51,12 +54,12 @@ class BlockAllocator:
     @property
     def num_free(self) -> int:
         """Ids `allocate` can hand out: never used, freed, or cached but unreferenced."""
-        return len(self.free_ids)
+        return self.num_blocks - self.next_fresh + len(self.free_ids)
 
     @property
     def num_used(self) -> int:
         """Referenced ids (cached blocks nobody references do not count)."""
-        return self.num_blocks - 1 - len(self.free_ids)
+        return self.num_blocks - 1 - self.num_free
 
     @property
     def num_cached_free(self) -> int:
@@ -65,9 +68,12 @@ class BlockAllocator:
 
     def allocate(self, n: int) -> list[int] | None:
         """n fresh ids with refcount 1, or None (and no change) if fewer than n are free."""
-        if n > len(self.free_ids):
+        if n > self.num_free:
             return None
-        ids = [self.free_ids.popitem(last=False)[0] for _ in range(n)]
+        fresh = min(n, self.num_blocks - self.next_fresh)
+        ids = list(range(self.next_fresh, self.next_fresh + fresh))
+        self.next_fresh += fresh
+        ids += [self.free_ids.popitem(last=False)[0] for _ in range(n - fresh)]
         for i in ids:
             if i in self.hash_of:
                 self._forget(i)

@@ -24,6 +24,7 @@ import operator
 import numba
 import numpy as np
 import torch
+from numba import njit
 from numba.core.registry import CPUDispatcher
 from numba.typed import List
 
@@ -46,6 +47,26 @@ _KINDS = {"dense": DENSE, "fp8": FP8, "fp4": FP4}
 _X_MEMBERS = {"q_lora": (L.Q_LORA_P, L.Q_LORA_C), "kv": (L.KV_P, L.KV_C), "comp_c": (L.COMP_C_P, L.COMP_C_C),
               "comp_z": (L.COMP_Z_P, L.COMP_Z_C), "idx_c": (L.IDX_C_P, L.IDX_C_C), "idx_z": (L.IDX_Z_P, L.IDX_Z_C),
               "idx_w": (L.IDX_W_P, L.IDX_W_C)}
+
+
+# The typed lists of a program's arrays, one per array type, in run_step's order; made and filled
+# by cached jitted code. numba.typed.List's own methods, called from Python, compile for each
+# item type in every process: ~3.5 s of each worker's start before (py-spy).
+_LIST_KINDS = ("f1", "f2", "f3", "u2", "u3", "i2", "h2", "h3")
+_F1, _F2, _F3 = numba.float32[::1], numba.float32[:, ::1], numba.float32[:, :, ::1]
+_U2, _U3, _I2 = numba.uint8[:, ::1], numba.uint8[:, :, ::1], numba.int32[:, ::1]
+_H2, _H3 = numba.uint16[:, ::1], numba.uint16[:, :, ::1]
+
+
+@njit(cache=True)
+def _new_lists():
+    return (List.empty_list(_F1), List.empty_list(_F2), List.empty_list(_F3), List.empty_list(_U2),
+            List.empty_list(_U3), List.empty_list(_I2), List.empty_list(_H2), List.empty_list(_H3))
+
+
+@njit(cache=True)
+def _append(items, array):
+    items.append(array)
 
 
 class Unsupported(Exception):
@@ -72,14 +93,8 @@ class _Arrays:
     """The typed lists a program reads, one per array type, and what must stay as it is."""
 
     def __init__(self):
-        self.f1 = List.empty_list(numba.float32[::1])
-        self.f2 = List.empty_list(numba.float32[:, ::1])
-        self.f3 = List.empty_list(numba.float32[:, :, ::1])
-        self.u2 = List.empty_list(numba.uint8[:, ::1])
-        self.u3 = List.empty_list(numba.uint8[:, :, ::1])
-        self.i2 = List.empty_list(numba.int32[:, ::1])
-        self.h2 = List.empty_list(numba.uint16[:, ::1])
-        self.h3 = List.empty_list(numba.uint16[:, :, ::1])
+        self.lists = _new_lists()                # run_step's typed lists (kernels/cpu_step_layout.py's order)
+        self.items: dict[str, list[np.ndarray]] = {kind: [] for kind in _LIST_KINDS}  # the same arrays, for Python
         self.keep: list = []                     # tensors the views alias (kept alive)
         # Checked before each run: holders[i][keys[i]] is still objects[i] (holders: dicts).
         self.holders: list[dict] = []
@@ -92,14 +107,10 @@ class _Arrays:
         if arr.dtype != dtype:
             raise Unsupported(f"a {arr.dtype} array where {np.dtype(dtype)} is needed")
         self.keep.append(t)
-        lst = getattr(self, kind)
-        lst.append(arr)
-        return len(lst) - 1
-
-    @property
-    def lists(self) -> tuple:
-        """The tuple run_step takes (kernels/cpu_step_layout.py's order)."""
-        return self.f1, self.f2, self.f3, self.u2, self.u3, self.i2, self.h2, self.h3
+        items = self.items[kind]
+        _append(self.lists[_LIST_KINDS.index(kind)], arr)
+        items.append(arr)
+        return len(items) - 1
 
     def watch(self, holder: dict, key) -> None:
         """Rebuild the program if holder[key] is ever replaced."""
@@ -398,17 +409,17 @@ class StepProgram:
         and scales (dense, bf16 copies, FP8, FP4; the LM head among them with the logits), the
         routers and one embedding row per token, and for each stack its active members: wo_a's every group, and of E routed experts the E·(1 − (1 − k/E)^T) a
         step of T tokens touches on average when routing is uniform (exact at T = 1)."""
-        a, t = self.arrays, self.rows
+        a, t = self.arrays.items, self.rows
         out = {"dense": 0.0, "bf16": 0.0, "fp8": 0.0, "fp4": 0.0, "experts": 0.0, "router": 0.0}
         names = {DENSE: "dense", DENSE_T: "dense", DENSE_BF16: "bf16", FP8: "fp8", FP4: "fp4"}
         for row, (kind, w, s, *_) in enumerate(self.lin_table.tolist() if self.lin else []):
             if row == self.step[L.HEAD] and not with_logits:
                 continue
-            weight = {DENSE: a.f2, DENSE_BF16: a.h2}.get(kind, a.u2)[w]
-            out[names[kind]] += weight.nbytes + (a.u2[s].nbytes if kind in (FP8, FP4) else 0)
+            weight = {DENSE: a["f2"], DENSE_BF16: a["h2"]}.get(kind, a["u2"])[w]
+            out[names[kind]] += weight.nbytes + (a["u2"][s].nbytes if kind in (FP8, FP4) else 0)
         for index, (kind, w, s, *_) in enumerate(self.grp_table.tolist() if self.grp else []):
-            stack = {DENSE: a.f3, DENSE_T: a.f3, DENSE_BF16: a.h3}.get(kind, a.u3)[w]
-            member = stack[0].nbytes + (a.u3[s][0].nbytes if kind in (FP8, FP4) else 0)
+            stack = {DENSE: a["f3"], DENSE_T: a["f3"], DENSE_BF16: a["h3"]}.get(kind, a["u3"])[w]
+            member = stack[0].nbytes + (a["u3"][s][0].nbytes if kind in (FP8, FP4) else 0)
             e = stack.shape[0]
             routed = index in set(self.layer[:, L.W13].tolist()) | set(self.layer[:, L.W2].tolist())
             if routed:
@@ -416,8 +427,8 @@ class StepProgram:
                 out["experts"] += member * e * (1 - (1 - k / e) ** t)
             else:
                 out[names[kind]] += member * e
-        out["router"] = sum(a.f2[g].nbytes for g in self.layer[:, L.GATE].tolist())
-        out["router"] += t * a.f2[self.step[L.EMBED]][0].nbytes        # (and the embedding rows)
+        out["router"] = sum(a["f2"][g].nbytes for g in self.layer[:, L.GATE].tolist())
+        out["router"] += t * a["f2"][self.step[L.EMBED]][0].nbytes        # (and the embedding rows)
         return out
 
     # ---- running ---------------------------------------------------------------------------------

@@ -103,7 +103,9 @@ def configure(model: DeepseekV4, formats: dict[str, WeightFormat], experts: dict
 
 def _materialize(model: nn.Module, device: str | torch.device) -> None:
     """Allocate every parameter and buffer (uninitialised) on `device`, in its storage layout."""
-    model.to_empty(device=device)
+    # What Module.to_empty does, without its empty_like: on meta tensors that runs torch's Python
+    # decompositions, whose first use imports sympy (~0.5 s of every worker's start).
+    model._apply(lambda t: torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device))
     for module in model.modules():
         if isinstance(module, GroupedWeight):
             module.relayout()

@@ -83,6 +83,34 @@ def test_refcounts_share_and_release():
     assert alloc.allocate(4) is None and alloc.num_free == 3
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 4)), max_size=60))
+def test_ids_come_never_used_first_then_least_recently_freed(ops):
+    """The allocator's order against a plain queue of every id: never-used ids ascending, then
+    freed ones in the order they were freed (the allocator keeps the never-used ones as a range)."""
+    alloc, queue, held = BlockAllocator(12), list(range(1, 12)), []
+    for take, n in ops:
+        if take:
+            ids = alloc.allocate(n)
+            assert ids == (queue[:n] if n <= len(queue) else None)
+            if ids is not None:
+                del queue[:n]
+                held += ids
+        elif held:
+            ids, held = held[:n], held[n:]
+            alloc.free(ids)
+            queue += ids
+        assert alloc.num_free == len(queue) and alloc.num_used == len(held)
+
+
+def test_a_budget_of_fifty_million_blocks_starts_without_listing_them():
+    alloc = BlockAllocator(50_000_000)
+    assert alloc.num_free == 50_000_000 - 1 and not alloc.free_ids
+    assert alloc.allocate(3) == [1, 2, 3]
+    alloc.free([2])
+    assert alloc.num_free == 50_000_000 - 3 and list(alloc.free_ids) == [2]
+
+
 def test_block_hashes_chain_and_are_salted():
     mgr = _manager(full=8, sliding=8)
     a, b, c = BlockTable(), BlockTable(), BlockTable()
