@@ -20,8 +20,12 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Callable
 
+import numba
+import torch
+
 from ipc.messages import INT64_MAX, Finished, Parked, SamplingParams, StepOutputs
 
+from .core_share import CoreShare
 from .distributed.lockstep import IDLE_PARK_S, Lockstep, StepPlan
 from .engine import Engine
 from .request import RequestError
@@ -56,6 +60,8 @@ class Worker:
         self._gc_started = 0.0
         self._idle_collect = False
         self.step_started_at = 0.0  # wall-clock start of the step in progress (0 = idle); for the watchdog
+        # [cpu] The thread count for the host's load (engine/core_share.py), or None: fixed.
+        self.core_share: CoreShare | None = None
         gc.callbacks.append(self._on_gc)
 
     # ---- commands (call from the worker's event loop thread) ------------------------------
@@ -155,6 +161,7 @@ class Worker:
             start = time.perf_counter()
             if last_step_end is not None:
                 self.stats.max_loop_pause_s = max(self.stats.max_loop_pause_s, start - last_step_end)
+            self._fit_threads()
             self.step_started_at = time.time()
             out = self.engine.step()
             if out.deltas or out.finished:
@@ -163,6 +170,19 @@ class Worker:
             self.stats.steps += 1
             last_step_end = time.perf_counter()
             await asyncio.sleep(0)  # let submits/aborts in before the next schedule
+
+    def _fit_threads(self) -> None:
+        """[cpu] Run the next step on as many threads as the host's load leaves this worker."""
+        share = self.core_share
+        if share is None:
+            return
+        before = share.current
+        threads = share.threads()
+        if threads != before:
+            numba.set_num_threads(threads)
+            torch.set_num_threads(threads)
+            logger.info("%d compute threads (others keep %.2f of %d cores busy)", threads, share.others,
+                        len(share.cpus))
 
     async def _idle_wait(self) -> None:
         """Wait for a command. [kv-connector] With a KV connector, tick it meanwhile: a prefill
@@ -210,6 +230,7 @@ class Worker:
             if not plan.has_work:  # every rank is idle: park until work comes here or to a peer
                 await self._park(lockstep.agreements)
                 continue
+            self._fit_threads()
             self.step_started_at = time.time()
             out = engine.run(batch, plan.num_drafts, allow_static=plan.static_ok, lockstep=True)
             if out.deltas or out.finished:

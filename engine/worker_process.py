@@ -30,6 +30,7 @@ from ipc.loop import new_event_loop
 from kernels import cpu_precision
 
 from .config import ConfigError, EngineConfig, ModelConfig, ParallelConfig
+from .core_share import CoreShare
 from .distributed.expert_parallel import ExpertParallel, experts_to_load, initial_placement
 from .distributed.group import RendezvousError
 from .distributed.lockstep import Lockstep, join_group
@@ -97,6 +98,10 @@ def worker_main(args, device: str = "cpu") -> None:
         engine = Engine(model, config)
         attach_connector(engine, rank)  # [kv-connector] --kv-transfer: NIXL agent, pools registered
         worker = Worker(engine, outbox.send, Lockstep(group, ep, parallel) if group is not None else None)
+        if device == "cpu" and args.num_threads > 1 and not config.batch_invariant:
+            # Batch-invariant numerics keep one thread count (a parallel split's reduction order
+            # is part of the bits)
+            worker.core_share = CoreShare(args.num_threads)
         worker.warm_up()
         heartbeat = HeartbeatThread(rank, worker, status)
         heartbeat.start()

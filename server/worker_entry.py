@@ -72,26 +72,27 @@ class WorkerProcess:
             self.sentinel = -1
 
 
-def pin_cpu_threads(n: int) -> None:
-    """Give this process `n` compute threads in numba and in every OpenMP pool (torch's too),
-    idle threads sleeping.
+def pin_cpu_threads(n: int, device: str = "cpu") -> None:
+    """Give this process `n` compute threads in numba and in every OpenMP pool (torch's too).
     Must run before numba is imported (it reads NUMBA_NUM_THREADS once). Without it a worker asked
     for 1 thread ran numba kernels on every core, and torch followed after the first of them."""
     if "numba" in sys.modules:
         raise RuntimeError("pin_cpu_threads must run before numba is imported")
     os.environ["NUMBA_NUM_THREADS"] = str(n)
     os.environ["OMP_NUM_THREADS"] = str(n)
-    # Idle OpenMP threads sleep instead of spinning (unless the operator says otherwise): numba's
-    # and torch's pools take turns within every decode step, and a pool spinning on a core another
-    # pool or process needs made a batch-1 step 105 ms instead of 6.7 ms on a loaded 2-core host
-    # (perf/bench_cpu_decode.py; llama.cpp's libgomp behaves the same).
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # Unless the operator says otherwise: a CPU worker keeps libgomp's default wait (idle threads
+    # spin a few ms, then sleep), which a decode step's ~60 parallel regions need (1.4x at batch
+    # 1 on 2 free cores), and gives threads up while other processes keep cores busy
+    # (engine/core_share.py), where spinning collapses (19 ms against 4.3 ms a step). A GPU
+    # worker's host threads only serve odd host ops: they sleep at once.
+    if device != "cpu":
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def main(argv: list[str]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     args = msgspec.json.decode(argv[1], type=WorkerArgs)
-    pin_cpu_threads(args.num_threads)
+    pin_cpu_threads(args.num_threads, args.device)
     device = args.device
     if args.visible_device is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = args.visible_device

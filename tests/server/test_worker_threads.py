@@ -45,12 +45,14 @@ def test_pinning_after_numba_is_imported_is_refused():
     assert out.returncode != 0 and "before numba is imported" in out.stderr
 
 
-@pytest.mark.parametrize("operator, expected", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
-def test_idle_openmp_threads_sleep_unless_the_operator_says_otherwise(operator, expected):
+@pytest.mark.parametrize("device, operator, expected", [("cpu", None, None), ("cpu", "PASSIVE", "PASSIVE"),
+                                                       ("cuda", None, "PASSIVE"), ("cuda", "ACTIVE", "ACTIVE")])
+def test_cpu_workers_keep_libgomps_spin_and_gpu_workers_sleep_unless_the_operator_says_otherwise(
+        device, operator, expected):
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     if operator is not None:
         env["OMP_WAIT_POLICY"] = operator
-    code = ("import os\nfrom server.worker_entry import pin_cpu_threads\npin_cpu_threads(1)\n"
-            "print(os.environ['OMP_WAIT_POLICY'])")
+    code = ("import os\nfrom server.worker_entry import pin_cpu_threads\n"
+            f"pin_cpu_threads(1, {device!r})\nprint(os.environ.get('OMP_WAIT_POLICY'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
-    assert out.returncode == 0 and out.stdout.strip() == expected, out.stderr[-2000:]
+    assert out.returncode == 0 and out.stdout.strip() == str(expected), out.stderr[-2000:]
