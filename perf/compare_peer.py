@@ -19,11 +19,11 @@ from llama.cpp's own converter at benchmark time (perf/peer_llamacpp.py, cached 
 Exits 2 with one line if `ringserve serve` does not exist, the peer cannot be built, or a server
 does not come up (a peer that fails after ringserve was measured still gets ringserve's table,
 its own cells n/a). --server-env sets a variable for both servers, --ringserve-env for ringserve
-only. Mind OpenMP's wait policy: llama-server's threads spin between the ops of its graph by
-default, ringserve's workers sleep (OMP_WAIT_POLICY=PASSIVE unless set, robust on shared cores).
-On a machine the two servers have to themselves, compare them both spinning
-(`--ringserve-env OMP_WAIT_POLICY=ACTIVE`); `--server-env OMP_WAIT_POLICY=PASSIVE` makes llama.cpp
-sleep at every op's barrier (4× slower on the issue41 geometry on a 2-core EPYC), not a fair race.
+only. Mind OpenMP's wait policy: at their defaults both servers' threads spin a while between
+parallel regions (ringserve's CPU workers give threads up while other processes keep cores busy,
+engine/core_share.py), so compare them at their defaults; `--server-env OMP_WAIT_POLICY=PASSIVE`
+makes llama.cpp sleep at every op's barrier (4× slower on the issue41 geometry on a 2-core EPYC),
+not a fair race.
 """
 
 from __future__ import annotations
@@ -281,8 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
                     help="an environment variable for both servers (repeatable)")
     ap.add_argument("--ringserve-env", action="append", default=[], metavar="KEY=VALUE",
-                    help="an environment variable for ringserve only (repeatable), e.g. OMP_WAIT_POLICY=ACTIVE "
-                         "to spin as llama-server's threads do on a machine the servers have to themselves")
+                    help="an environment variable for ringserve only (repeatable), e.g. OMP_WAIT_POLICY=PASSIVE "
+                         "to make its worker threads sleep at once between parallel regions")
     ap.add_argument("--ctx-per-slot", type=int, default=1024, help="llama-server context per parallel slot")
     a = ap.parse_args(argv)
     try:
