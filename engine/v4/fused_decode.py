@@ -27,6 +27,7 @@ inside numba, embedding to logits), the CPU's analogue of replaying a captured g
 
 from __future__ import annotations
 
+import numba
 import torch
 
 import kernels
@@ -91,7 +92,8 @@ class FusedDecoder:
                        for b in blocks]
         self.spans = compressor_spans(cfg, range(cfg.num_layers))
         self._moe_kernels: dict[int, tuple[list, DecodeMoE | None]] = {}
-        self._programs: dict[int, tuple[DecodeBatch, StepProgram | None]] = {}  # id(batch) → its program
+        # (id(batch), numba threads) → its program
+        self._programs: dict[tuple[int, int], tuple[DecodeBatch, StepProgram | None]] = {}
         self._rope: tuple | None = None  # RoPE tables [P, r/2] (main cos, sin, compress cos, sin)
         self._bf16: dict = {}  # bf16 copies of the bf16-exact dense weights the programs read
         # Test/bench hook: called with the layer index before each layer, None after the last.
@@ -125,15 +127,18 @@ class FusedDecoder:
         return streams, self.model.logits(streams)
 
     def program(self, batch: DecodeBatch) -> StepProgram | None:
-        """The compiled CPU step of batch's shape (built on first use, rebuilt when a weight or
-        pool it views was replaced), or None: the op path runs."""
+        """The compiled CPU step of batch's shape at the current numba thread count (built on
+        first use, rebuilt when a weight or pool it views was replaced), or None: the op path
+        runs. A program splits its products for the thread count it was built at (one thread:
+        none split), and a worker's count changes with the host's load (engine/core_share.py)."""
         if not (self.cpu_step and self.on_layer is None and batch.token_ids.is_cpu):
             return None
-        cached = self._programs.get(id(batch))
+        key = (id(batch), numba.get_num_threads())
+        cached = self._programs.get(key)
         if cached is not None and cached[0] is batch and (cached[1] is None or cached[1].valid()):
             return cached[1]
         program = StepProgram.build(self, batch, self._rope_tables, self._bf16)
-        self._programs[id(batch)] = (batch, program)
+        self._programs[key] = (batch, program)
         return program
 
     def _rope_tables(self, length: int) -> tuple[torch.Tensor, ...]:

@@ -12,6 +12,7 @@ The MTP layer's own draft steps (FusedDecoder.forward_mtp) stay on the op path.
 """
 from __future__ import annotations
 
+import numba
 import pytest
 import torch
 
@@ -129,6 +130,35 @@ def test_mtp_speculation_greedy_tokens_equal_the_op_path(models):
     ops, op_engine = _op_path_run(model, prompts, steps=12, **_SPEC)
     assert compiled == ops and all(len(v) == 12 for v in compiled.values())
     assert engine.stats.spec_accepted_per_position == op_engine.stats.spec_accepted_per_position
+
+
+@pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="one numba thread: the count cannot change")
+def test_a_thread_count_change_gets_its_own_program_and_keeps_the_tokens(models):
+    """A CPU worker's thread count follows the host's load (engine/core_share.py). A program
+    splits its products for the count it was built at (none at one thread), so each count gets
+    its own program of the shape; greedy tokens stay the op path's as the count goes 1, 2, 1, …"""
+    model = models["fp8-fp4"]
+    prompts = _prompts(2, model.cfg.vocab_size, seed=5)
+    saved = numba.get_num_threads()
+    engine = _engine(model, 2)
+    for i, p in enumerate(prompts):
+        engine.add_request(i, p, SamplingParams(max_tokens=8, ignore_eos=True))
+    out: dict[int, list[int]] = {}
+    try:
+        step = 0
+        while engine.has_work:
+            numba.set_num_threads(1 + step % 2)
+            for d in engine.step().deltas:
+                out.setdefault(d.request_id, []).extend(d.token_ids)
+            step += 1
+    finally:
+        numba.set_num_threads(saved)
+    ops, _ = _op_path_run(model, prompts, steps=8)
+    assert out == ops
+    built = engine.static.fused._programs
+    ones = [p for (_, threads), (_, p) in built.items() if threads == 1 and p is not None]
+    twos = [p for (_, threads), (_, p) in built.items() if threads == 2 and p is not None]
+    assert ones and twos and not {id(p) for p in ones} & {id(p) for p in twos}
 
 
 def test_later_runs_skip_the_dispatcher(models, monkeypatch):
