@@ -99,8 +99,8 @@ def worker_main(args, device: str = "cpu") -> None:
         attach_connector(engine, rank)  # [kv-connector] --kv-transfer: NIXL agent, pools registered
         worker = Worker(engine, outbox.send, Lockstep(group, ep, parallel) if group is not None else None)
         if device == "cpu" and args.num_threads > 1 and not config.batch_invariant:
-            # Batch-invariant numerics keep one thread count (a parallel split's reduction order
-            # is part of the bits)
+            # Batch-invariant numerics keep one thread count: the decode kernels' bits do not
+            # depend on it, but torch's CPU GEMMs (prefill) promise nothing there
             worker.core_share = CoreShare(args.num_threads)
         worker.warm_up()
         heartbeat = HeartbeatThread(rank, worker, status)
