@@ -132,29 +132,39 @@ def test_mtp_speculation_greedy_tokens_equal_the_op_path(models):
     assert engine.stats.spec_accepted_per_position == op_engine.stats.spec_accepted_per_position
 
 
-@pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="one numba thread: the count cannot change")
-def test_a_thread_count_change_gets_its_own_program_and_keeps_the_tokens(models):
-    """A CPU worker's thread count follows the host's load (engine/core_share.py). A program
-    splits its products for the count it was built at (none at one thread), so each count gets
-    its own program of the shape; greedy tokens stay the op path's as the count goes 1, 2, 1, …"""
-    model = models["fp8-fp4"]
-    prompts = _prompts(2, model.cfg.vocab_size, seed=5)
+def _run_at(model, prompts, steps: int, threads) -> tuple[dict, Engine]:
+    """(request → [(token, logprob)], engine), numba at `threads(step)` threads for each step."""
     saved = numba.get_num_threads()
-    engine = _engine(model, 2)
+    engine = _engine(model, len(prompts))
     for i, p in enumerate(prompts):
-        engine.add_request(i, p, SamplingParams(max_tokens=8, ignore_eos=True))
-    out: dict[int, list[int]] = {}
+        engine.add_request(i, p, SamplingParams(max_tokens=steps, ignore_eos=True, logprobs=0))
+    out: dict[int, list] = {}
     try:
         step = 0
         while engine.has_work:
-            numba.set_num_threads(1 + step % 2)
+            numba.set_num_threads(threads(step))
             for d in engine.step().deltas:
-                out.setdefault(d.request_id, []).extend(d.token_ids)
+                out.setdefault(d.request_id, []).extend(zip(d.token_ids, d.logprobs))
             step += 1
     finally:
         numba.set_num_threads(saved)
+    return out, engine
+
+
+@pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="one numba thread: the count cannot change")
+def test_a_thread_count_change_gets_its_own_program_and_keeps_the_bits(models):
+    """A CPU worker's thread count follows the host's load (engine/core_share.py). A program
+    splits its products for the count it was built at (none at one thread), so each count gets
+    its own program of the shape. The kernels split by output rows and heads, never inside a sum:
+    with the count going 1, 2, 1, … tokens and logprobs equal a run at two threads exactly, and
+    the tokens equal the op path's."""
+    model = models["fp8-fp4"]
+    prompts = _prompts(2, model.cfg.vocab_size, seed=5)
+    alternating, engine = _run_at(model, prompts, 8, lambda step: 1 + step % 2)
+    fixed, _ = _run_at(model, prompts, 8, lambda step: 2)
+    assert alternating == fixed
     ops, _ = _op_path_run(model, prompts, steps=8)
-    assert out == ops
+    assert {i: [t for t, _ in v] for i, v in alternating.items()} == ops
     built = engine.static.fused._programs
     ones = [p for (_, threads), (_, p) in built.items() if threads == 1 and p is not None]
     twos = [p for (_, threads), (_, p) in built.items() if threads == 2 and p is not None]
