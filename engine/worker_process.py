@@ -98,6 +98,8 @@ def worker_main(args, device: str = "cpu") -> None:
         engine = Engine(model, config)
         attach_connector(engine, rank)  # [kv-connector] --kv-transfer: NIXL agent, pools registered
         worker = Worker(engine, outbox.send, Lockstep(group, ep, parallel) if group is not None else None)
+        if device == "cpu":
+            worker.compute_threads = args.num_threads
         if device == "cpu" and args.num_threads > 1 and not config.batch_invariant:
             # Batch-invariant numerics keep one thread count: the decode kernels' bits do not
             # depend on it, but torch's CPU GEMMs (prefill) promise nothing there
@@ -242,7 +244,8 @@ class HeartbeatThread(threading.Thread):
                          list(st.spec_accepted_per_position), worker.stats.max_loop_pause_s,
                          list(ep.last_imbalance) if ep is not None else [], ep.rebalances if ep is not None else 0,
                          engine.connector.last_stats if engine.connector is not None else None,  # [kv-connector]
-                         pc.stats.queries if pc is not None else 0, pc.stats.hits if pc is not None else 0)
+                         pc.stats.queries if pc is not None else 0, pc.stats.hits if pc is not None else 0,
+                         worker.compute_threads)
 
     def stop(self) -> None:
         self._stop_event.set()

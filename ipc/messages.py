@@ -227,6 +227,9 @@ class Heartbeat(Struct, frozen=True, array_like=True, tag=6):
     # Prefix cache (cumulative, tokens): prompt tokens queried and those served from the cache.
     prefix_cache_queries: Count = 0
     prefix_cache_hits: Count = 0
+    # CPU workers: the threads its steps run on now (fewer than given while other processes keep
+    # cores busy: engine/core_share.py); 0 for a GPU worker.
+    compute_threads: Count = 0
 
 
 class KVTransferStats(Struct, frozen=True, array_like=True):

@@ -137,6 +137,9 @@ class Metrics:
         self.dp_imbalance = gauge("dp_imbalance", "Max over mean per-DP-rank step load (1.0 = balanced).")
         self.loop_pause_max_seconds = gauge(
             "loop_pause_max_seconds", "Longest engine-loop pause seen in the last stats interval.")
+        self.cpu_compute_threads = gauge(
+            "cpu_compute_threads", "Compute threads the CPU workers' steps run on now, summed over ranks (fewer "
+            "than --threads-per-worker while other processes keep the cores busy).")
 
         # Expert parallelism (from the group's last EPLB window; the same on every rank).
         self._expert_imbalance = Gauge(PREFIX + "expert_imbalance", "Per MoE layer: max over mean expert-parallel "
@@ -216,7 +219,8 @@ class Metrics:
 
     def set_engine_stats(self, running: int, waiting: int, kv_usage: float, dp_imbalance: float,
                          loop_pause_s: float, preemptions_total: int, spec_drafts_total: int,
-                         spec_draft_tokens_total: int, spec_accepted_per_position: Sequence[int]) -> None:
+                         spec_draft_tokens_total: int, spec_accepted_per_position: Sequence[int],
+                         compute_threads: int = 0) -> None:
         """Publish one engine stats snapshot (whole server: sum/aggregate over workers first).
 
         Gauges are set as given (``kv_usage`` is a fraction 0..1). The ``*_total`` arguments and
@@ -232,6 +236,7 @@ class Metrics:
         self.kv_cache_usage_perc.set(kv_usage)
         self.dp_imbalance.set(dp_imbalance)
         self.loop_pause_max_seconds.set(loop_pause_s)
+        self.cpu_compute_threads.set(compute_threads)
 
         self._last_preemptions = self._advance(self.num_preemptions, self._last_preemptions,
                                                preemptions_total, "preemptions")

@@ -310,7 +310,8 @@ async def _publish_stats(state: AppState, client) -> None:
             loop_pause_s=max((b.loop_pause_max_s for b in beats), default=0.0),
             preemptions_total=sum(b.num_preemptions for b in beats),
             spec_drafts_total=sum(b.spec_drafts for b in beats),
-            spec_draft_tokens_total=sum(b.spec_draft_tokens for b in beats), spec_accepted_per_position=spec)
+            spec_draft_tokens_total=sum(b.spec_draft_tokens for b in beats), spec_accepted_per_position=spec,
+            compute_threads=sum(b.compute_threads for b in beats))
         state.metrics.set_prefix_cache_stats(sum(b.prefix_cache_queries for b in beats),
                                              sum(b.prefix_cache_hits for b in beats))
         grouped = [b for b in beats if b.expert_imbalance]  # every rank of a group reports the same window

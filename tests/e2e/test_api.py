@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 
 import openai
@@ -142,6 +143,14 @@ def test_queue_time_is_measured_in_the_worker(client, server):
     assert count and float(count[0].split()[-1]) >= 1
 
 
+def test_the_cpu_workers_thread_count_reaches_the_metrics(server):
+    """From the worker's heartbeat (a --threads-per-worker 1 server: one thread, never fewer)."""
+    deadline = time.monotonic() + 10
+    while _metric(server, "ringserve:cpu_compute_threads") != 1 and time.monotonic() < deadline:
+        time.sleep(0.2)  # metrics refresh once a second from heartbeats
+    assert _metric(server, "ringserve:cpu_compute_threads") == 1
+
+
 def _metric(server, name: str) -> float:
     req = urllib.request.Request(server.url + "/metrics", headers={"Authorization": f"Bearer {server.api_key}"})
     with urllib.request.urlopen(req) as r:
@@ -153,8 +162,6 @@ def _metric(server, name: str) -> float:
 def test_a_repeated_prompt_is_served_from_the_prefix_cache_and_counted(client, server):
     """Same long prompt twice: the second reuses the first's full blocks (prefix caching is on by
     default) and gives the same greedy text; /metrics counts the hit tokens (vLLM's counter names)."""
-    import time
-
     model = client.models.list().data[0].id
     prompt = "the prefix cache keeps full blocks of a prompt for the next request " * 6
     before = _metric(server, "ringserve:prefix_cache_hits_total")

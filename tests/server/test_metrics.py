@@ -17,6 +17,7 @@ EXPECTED_NAMES = [
     "ringserve:kv_cache_usage_perc",
     "ringserve:dp_imbalance",
     "ringserve:loop_pause_max_seconds",
+    "ringserve:cpu_compute_threads",
     "ringserve:prompt_tokens_total",
     "ringserve:generation_tokens_total",
     "ringserve:request_success_total",
@@ -161,7 +162,7 @@ def test_engine_stats_counters_are_monotone():
     for i, (pre, drafts, dtoks, acc) in enumerate(snaps):
         m.set_engine_stats(running=i, waiting=2 * i, kv_usage=0.1 * i, dp_imbalance=1.0 + i / 100,
                            loop_pause_s=0.001 * i, preemptions_total=pre, spec_drafts_total=drafts,
-                           spec_draft_tokens_total=dtoks, spec_accepted_per_position=acc)
+                           spec_draft_tokens_total=dtoks, spec_accepted_per_position=acc, compute_threads=i)
         for n in names:
             history[n].append(val(m, n))
     for n, h in history.items():
@@ -181,6 +182,7 @@ def test_engine_stats_counters_are_monotone():
     assert val(m, "ringserve:kv_cache_usage_perc") == pytest.approx(0.5)
     assert val(m, "ringserve:dp_imbalance") == pytest.approx(1.05)
     assert val(m, "ringserve:loop_pause_max_seconds") == pytest.approx(0.005)
+    assert val(m, "ringserve:cpu_compute_threads") == 5
 
 
 def _populated() -> Metrics:
