@@ -58,8 +58,9 @@ def _busy_ticks(cpus: set[int]) -> int | None:
 class CoreShare:
     """`threads()` before each step: the thread count for the newest finished window."""
 
-    def __init__(self, configured: int):
+    def __init__(self, configured: int, adapt: bool = True):
         self.configured = configured
+        self.adapt = adapt and configured > 1  # False: the count stays `configured`
         self.cpus = os.sched_getaffinity(0)
         self.tick_s = 1.0 / os.sysconf("SC_CLK_TCK")
         self.current = configured
@@ -77,7 +78,7 @@ class CoreShare:
 
     def threads(self) -> int:
         now = time.monotonic()
-        if self.configured == 1 or not self.available or now - self._mark[0] < WINDOW_S:
+        if not self.adapt or not self.available or now - self._mark[0] < WINDOW_S:
             return self.current
         sample = self._sample()
         (t0, busy0, own0), (t1, busy1, own1) = self._mark, sample

@@ -60,9 +60,8 @@ class Worker:
         self._gc_started = 0.0
         self._idle_collect = False
         self.step_started_at = 0.0  # wall-clock start of the step in progress (0 = idle); for the watchdog
-        # [cpu] The thread count for the host's load (engine/core_share.py), or None: fixed.
+        # [cpu] The thread count for the host's load (engine/core_share.py); None: not a CPU worker.
         self.core_share: CoreShare | None = None
-        self.compute_threads = 0  # [cpu] the threads steps run on now (0: not a CPU worker)
         gc.callbacks.append(self._on_gc)
 
     # ---- commands (call from the worker's event loop thread) ------------------------------
@@ -182,7 +181,6 @@ class Worker:
         if threads != before:
             numba.set_num_threads(threads)
             torch.set_num_threads(threads)
-            self.compute_threads = threads
             logger.info("%d compute threads (others keep %.2f of %d cores busy)", threads, share.others,
                         len(share.cpus))
 

@@ -99,11 +99,9 @@ def worker_main(args, device: str = "cpu") -> None:
         attach_connector(engine, rank)  # [kv-connector] --kv-transfer: NIXL agent, pools registered
         worker = Worker(engine, outbox.send, Lockstep(group, ep, parallel) if group is not None else None)
         if device == "cpu":
-            worker.compute_threads = args.num_threads
-        if device == "cpu" and args.num_threads > 1 and not config.batch_invariant:
             # Batch-invariant numerics keep one thread count: the decode kernels' bits do not
             # depend on it, but torch's CPU GEMMs (prefill) promise nothing there
-            worker.core_share = CoreShare(args.num_threads)
+            worker.core_share = CoreShare(args.num_threads, adapt=not config.batch_invariant)
         worker.warm_up()
         heartbeat = HeartbeatThread(rank, worker, status)
         heartbeat.start()
@@ -245,7 +243,7 @@ class HeartbeatThread(threading.Thread):
                          list(ep.last_imbalance) if ep is not None else [], ep.rebalances if ep is not None else 0,
                          engine.connector.last_stats if engine.connector is not None else None,  # [kv-connector]
                          pc.stats.queries if pc is not None else 0, pc.stats.hits if pc is not None else 0,
-                         worker.compute_threads)
+                         worker.core_share.current if worker.core_share is not None else 0)
 
     def stop(self) -> None:
         self._stop_event.set()

@@ -32,6 +32,15 @@ def test_between_windows_the_count_stands_without_reading_the_host(monkeypatch):
     assert share.threads() == 2 and not calls
 
 
+def test_a_fixed_count_never_reads_the_host(monkeypatch):
+    """--batch-invariant (adapt=False) and one-thread workers keep their count."""
+    monkeypatch.setattr(core_share, "WINDOW_S", 0.0)
+    shares = [CoreShare(2, adapt=False), CoreShare(1)]
+    calls = []
+    monkeypatch.setattr(core_share, "_busy_ticks", lambda cpus: calls.append(cpus))
+    assert [s.threads() for s in shares] == [2, 1] and not calls
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="no /proc/stat (not Linux)")
 def test_a_busy_process_beside_costs_the_worker_a_thread(monkeypatch):
     monkeypatch.setattr(core_share, "WINDOW_S", 0.5)

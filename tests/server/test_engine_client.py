@@ -168,7 +168,7 @@ def test_heartbeats_come_from_their_own_thread_during_a_long_step():
         manager=SimpleNamespace(full=SimpleNamespace(num_used=1, num_blocks=9))),
         stats=SimpleNamespace(spec_drafts=0, spec_draft_tokens=0, spec_accepted_per_position=[]),
         connector=None, prefix_cache=None)
-    worker = SimpleNamespace(engine=engine, stats=SimpleNamespace(steps=4, max_loop_pause_s=0.0), compute_threads=1,
+    worker = SimpleNamespace(engine=engine, stats=SimpleNamespace(steps=4, max_loop_pause_s=0.0), core_share=None,
                              step_started_at=time.time(), lockstep=None)
     reader = RingReader.create(RingConfig(slot_bytes=4096, num_slots=64))
     writer = RingWriter.attach(reader.name)
