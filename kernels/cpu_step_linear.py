@@ -63,11 +63,11 @@ def linear(desc, i, x, out, arrays):
     f2, u2, h2 = arrays[1], arrays[3], arrays[6]
     kind, n, per = desc[i, KIND], desc[i, N], desc[i, PER]
     if kind == DENSE_BF16:
-        w = h2[desc[i, W]]
+        wb = h2[desc[i, W]]
         if per:
-            cpu_gemv._gemv_bf16(w, x, out, per)
+            cpu_gemv._gemv(wb, x, out, per)
         else:
-            cpu_gemv._dot_rows_bf16(w, x, 0, n, out)
+            cpu_gemv._dot_rows(wb, x, 0, n, out)
     elif kind == DENSE:
         w = f2[desc[i, W]]
         if per:
@@ -105,7 +105,7 @@ def grouped(desc, i, a, ends, out, arrays):
         wb = h3[desc[i, W]]
         for t in range(active.shape[0]):
             e = active[t]
-            cpu_gemv._dot_rows_bf16(wb[e], a[first[t]:ends[e]], 0, n, out[first[t]:ends[e]])
+            cpu_gemv._dot_rows(wb[e], a[first[t]:ends[e]], 0, n, out[first[t]:ends[e]])
     elif kind == DENSE or kind == DENSE_T:
         w = f3[desc[i, W]]
         for t in range(active.shape[0]):

@@ -40,8 +40,10 @@ from kernels.cpu_torch_sum import LANES
 # rows and stays ahead of tile decode + sgemm to about 16 rows (kernels/cpu_quant_gemm.py).
 MAX_ROWS = 16
 # A product runs its parallel kernel (with more than one numba thread) from this many weight
-# bytes read per call; below it a parallel launch (~3 µs at one thread, more when a core is
-# busy) costs more than the split saves.
+# bytes read per call times the activation rows each weight row meets; below it a parallel
+# launch (~3 µs at one thread, more when a core is busy) costs more than the split saves. (At
+# 16 rows the shared expert's [256, 1024] FP8 product is 4 M multiply-adds: counted by bytes
+# alone it ran on one thread while the other waited.)
 PARALLEL_BYTES = 384 << 10
 _KINDS = {"dense": DENSE, "fp8": FP8, "fp4": FP4}
 _X_MEMBERS = {"q_lora": (L.Q_LORA_P, L.Q_LORA_C), "kv": (L.KV_P, L.KV_C), "comp_c": (L.COMP_C_P, L.COMP_C_C),
@@ -197,9 +199,10 @@ class StepProgram:
         row_f[L.EPS], row_f[L.HC_EPS] = cfg.rms_norm_eps, cfg.hc_eps
 
     # ---- products --------------------------------------------------------------------------------
-    def _per(self, rows: int, weight_bytes: int) -> int:
-        """0 (this thread) or the parallel kernel's weight rows a task."""
-        if numba.get_num_threads() == 1 or weight_bytes < PARALLEL_BYTES:
+    def _per(self, rows: int, weight_bytes: int, act_rows: int = 1) -> int:
+        """0 (this thread) or the parallel kernel's weight rows a task, for `rows` weight rows of
+        `weight_bytes` each met by about `act_rows` activation rows."""
+        if numba.get_num_threads() == 1 or weight_bytes * act_rows < PARALLEL_BYTES:
             return 0
         return q._rows_per_task(rows)
 
@@ -221,9 +224,10 @@ class StepProgram:
         a, half = self.arrays, self._bf16(w, w)
         if half is not None:
             desc = [DENSE_BF16, a.add("h2", half, np.uint16), -1, 1, 1, w.shape[0], w.shape[1],
-                    self._per(w.shape[0], w.numel() * 2)]
+                    self._per(w.shape[0], w.numel() * 2, self.rows)]
         else:
-            desc = [DENSE, a.add("f2", w), -1, 1, 1, w.shape[0], w.shape[1], self._per(w.shape[0], w.numel() * 4)]
+            desc = [DENSE, a.add("f2", w), -1, 1, 1, w.shape[0], w.shape[1],
+                    self._per(w.shape[0], w.numel() * 4, self.rows)]
         self.lin.append(desc)
         return len(self.lin) - 1
 
@@ -239,12 +243,13 @@ class StepProgram:
             if p is None or p.grouped_weight or p.scales.dtype != np.uint8:
                 raise Unsupported("a weight not prepared with byte scales")
             desc = [kind, a.add("u2", p.codes, np.uint8), a.add("u2", p.scales, np.uint8), p.block[0], p.block[1],
-                    p.n, p.k, self._per(p.n, p.codes.nbytes)]
+                    p.n, p.k, self._per(p.n, p.codes.nbytes, self.rows)]
         self.lin.append(desc)
         return len(self.lin) - 1
 
-    def _grouped(self, m, weight: torch.Tensor, scale: torch.Tensor | None, rows: int) -> int:
-        """A grp row for a stack [E, N, K] (experts, or wo_a's groups) of `rows` slots."""
+    def _grouped(self, m, weight: torch.Tensor, scale: torch.Tensor | None, slots: int) -> int:
+        """A grp row for a stack [E, N, K] (experts, or wo_a's groups) of `slots` activation rows
+        in all."""
         a, kind = self.arrays, _KINDS[m.fmt.kind]
         a.watch_param(m, "weight")
         if kind == DENSE:
@@ -264,9 +269,9 @@ class StepProgram:
             if p is None or not p.grouped_weight or p.scales.dtype != np.uint8:
                 raise Unsupported("a stack not prepared with byte scales")
             e, n = p.codes.shape[0], p.n
-            active = min(rows, e)
+            active = min(slots, e)
             desc = [kind, a.add("u3", p.codes, np.uint8), a.add("u3", p.scales, np.uint8), p.block[0], p.block[1],
-                    n, p.k, self._per(n * active, p.codes[0].nbytes * active)]
+                    n, p.k, self._per(n * active, p.codes[0].nbytes * active, slots // active)]
         self.grp.append(desc)
         return len(self.grp) - 1
 
@@ -310,7 +315,8 @@ class StepProgram:
         wo_a = attn.wo_a
         weight = wo_a.weight.view(g, wo_a.out_per_group, -1)
         scale = wo_a.scale.view(g, -1, wo_a.scale.shape[-1]) if wo_a.scale is not None else None
-        row[L.WO_A], row[L.WO_GROUPS], row[L.WO_B] = self._grouped(wo_a, weight, scale, g), g, self._linear(attn.wo_b)
+        row[L.WO_A] = self._grouped(wo_a, weight, scale, self.rows * g)     # each group: every token's row
+        row[L.WO_GROUPS], row[L.WO_B] = g, self._linear(attn.wo_b)
         comp = attn.compressor
         if comp is None:
             return
@@ -358,7 +364,7 @@ class StepProgram:
         if moe.gate.dtype != torch.float32:
             raise Unsupported("a router not in fp32")
         row[L.GATE] = a.add("f2", moe.gate)
-        row[L.GATE_PER] = self._per(moe.gate.shape[0], moe.gate.numel() * 4)
+        row[L.GATE_PER] = self._per(moe.gate.shape[0], moe.gate.numel() * 4, self.rows)
         if moe.hash_routing:
             row[L.TID2EID] = a.add("i2", moe.tid2eid, np.int32)
         else:

@@ -137,11 +137,34 @@ def test_bf16_row_kernel_equals_the_fp32_row_kernel_bit_for_bit(m, n, k):
     for per in (0, 16):
         got = torch.full((m, n), float("nan"))
         if per:
-            cpu_gemv._gemv_bf16(half.numpy(), x.numpy(), got.numpy(), per)
+            cpu_gemv._gemv(half.numpy(), x.numpy(), got.numpy(), per)
         else:
-            cpu_gemv._dot_rows_bf16(half.numpy(), x.numpy(), 0, n, got.numpy())
+            cpu_gemv._dot_rows(half.numpy(), x.numpy(), 0, n, got.numpy())
         assert torch.equal(got.view(torch.int32), want.view(torch.int32))
     assert ((want - _exact(x, w)).abs() <= _bound(x, w)).all()
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("n, k", [(37, 1024), (300, 96), (9, 4100)])
+def test_a_rows_sum_depends_on_neither_the_row_count_nor_the_tiles(bf16, n, k):
+    """Batch invariance of the row kernel: activation row i's outputs from a call with 2, 5 or 16
+    rows (in a four-row pass or a one-row pass) equal those of a call with row i alone, bit for
+    bit, over weight tiles of one row (k = 4100), a few rows (1024) and whole tasks (96)."""
+    g = torch.Generator().manual_seed(n + k + bf16)
+    w = torch.randn(n, k, generator=g).bfloat16().float()
+    weight = cpu_gemv.bf16_copy(w).numpy() if bf16 else w.numpy()
+    x = torch.randn(16, k, generator=g)
+    alone = torch.empty(16, n)
+    for i in range(16):
+        cpu_gemv._dot_rows(weight, x[i:i + 1].numpy(), 0, n, alone[i:i + 1].numpy())
+    for m in (2, 5, 16):
+        for per in (0, 8):
+            got = torch.full((m, n), float("nan"))
+            if per:
+                cpu_gemv._gemv(weight, x[:m].numpy(), got.numpy(), per)
+            else:
+                cpu_gemv._dot_rows(weight, x[:m].numpy(), 0, n, got.numpy())
+            assert torch.equal(got.view(torch.int32), alone[:m].view(torch.int32)), (m, per)
 
 
 def test_bf16_copy_only_of_bf16_exact_weights():

@@ -499,12 +499,13 @@ def test_fp8_gemv_equals_the_decoded_weight_product_bit_for_bit():
         assert same(got[0], want)
 
 
-@pytest.mark.parametrize("k", [1, 31, 33, 256, 300])
+@pytest.mark.parametrize("k", [1, 31, 33, 256, 300, 2100])
 @pytest.mark.parametrize("grouped", [False, True])
 def test_fp8_gemv_rows_do_not_depend_on_their_neighbours(k, grouped):
-    """The fused FP8 GEMV decodes each weight row inside the dot product, two activation rows per
-    pass and a last odd row alone, and at one activation row four weight rows per pass (a quarter
-    of a block apart, 163 rows leaving tails): every row's output must equal the same row
+    """The fused FP8 GEMV decodes each weight row inside the dot product, four or two activation
+    rows per pass and a last odd row alone, over tiles of weight rows (7 rows at k = 2100), and
+    at one activation row four weight rows per pass (a quarter of a block apart, 163 rows
+    leaving tails): every row's output must equal the same row
     computed alone, bit for bit, whatever the row count (batch invariance), and stay within the
     reference's bound."""
     g = torch.Generator().manual_seed(k)
