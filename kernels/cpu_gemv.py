@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from numba import get_num_threads, njit, prange, types
 from numba.extending import overload
 
-from kernels.cpu_numerics import F32, U32, bits_f32, borrow
+from kernels.cpu_numerics import F32, U32, bits_f32, borrow, e4m3_half_bits, half_value
 from kernels.cpu_precision import bf16_operands
 
 # Activation rows up to which the row kernel beats sgemm on a weight streamed from memory. At 4
@@ -34,29 +34,45 @@ _DOT_MATH = {"reassoc", "contract"}
 
 
 def weight_value(x):
-    """A weight element as fp32: itself, or the float whose bits are bf16 bits x (uint16)."""
+    """A weight element as fp32, by its array's dtype: an fp32 weight's element itself; bf16 bits
+    (uint16) as their float; an e4m3 code (uint8) as e4m3 / 256, the FP8 row kernels' convention
+    (their activations carry the block scales × 256, kernels/cpu_quant_gemm.py)."""
     raise NotImplementedError("numba only")
 
 
 @overload(weight_value, inline="always")
 def _weight_value(x):
-    if isinstance(x, types.Integer):
+    if isinstance(x, types.Integer) and x.bitwidth == 16:
         return lambda x: bits_f32(U32(U32(x) << U32(16)))
-    return lambda x: x
+    if isinstance(x, types.Integer) and x.bitwidth == 8:
+        return lambda x: half_value(e4m3_half_bits(x))
+    if isinstance(x, types.Float):
+        return lambda x: x
+    return None
 
 
 @njit(cache=True, error_model="numpy", fastmath=_DOT_MATH)
 def _dot_rows(w, a, r0, r1, out):
-    """out[i, r] = w[r] · a[i] for weight rows [r0, r1) and every activation row i; w is fp32 or
+    """out[i, r] = w[r] · a[i] for weight rows [r0, r1) and every activation row i; w is fp32,
     bf16 bits (uint16 [N, K]: half the bytes of the fp32 copy, the same products when that copy
-    is bf16-exact, as a bf16 checkpoint's is). Four activation rows per pass share each weight
-    load, then one; the weight rows go in tiles of about TILE_BYTES, each pass over a whole tile,
-    so a pass's activation rows and the tile stay in L1 (without the tiles, 16 activation rows
-    at K = 1024 came from L2 for every weight row). Every pass gives a sum the same vector order,
-    so a row's result depends on neither the row count nor the tiling (tested). On a Zen 4, 2
-    threads, 4-16 rows: 1.2-1.6x the previous one-row-at-a-time loop on the LM heads and
-    projections of the tiny V4s, the same bits (perf/bench_row_tiles.py)."""
+    is bf16-exact, as a bf16 checkpoint's is) or e4m3 codes (`weight_value`). Four activation
+    rows per pass share each weight load and decode, then two, then one; the weight rows go in
+    tiles of about TILE_BYTES, each pass over a whole tile, so a pass's activation rows and the
+    tile stay in L1 (without the tiles, 16 activation rows at K = 1024 came from L2 for every
+    weight row). Every pass gives a sum the same vector order, so a row's result depends on
+    neither the row count nor the tiling (tested). On a Zen 4, 2 threads: 1.2-1.6x the previous
+    one-row-at-a-time dense loop at 4-16 rows, and on FP8 1.6-2.4x the untiled passes at 16 rows,
+    on the LM heads and projections of the tiny V4s, the same bits (perf/bench_row_tiles.py)."""
     m, k = a.shape[0], w.shape[1]
+    if m == 1:
+        # One activation row stays in L1 anyway: the plain loop (the tiled one ran 0.87-0.91x on
+        # 128- and 512-wide weights, perf/bench_row_tiles.py --rows 1).
+        for r in range(r0, r1):
+            acc = F32(0)
+            for j in range(k):
+                acc += weight_value(w[r, j]) * a[0, j]
+            out[0, r] = acc
+        return
     tile = max(1, TILE_BYTES // (k * w.itemsize))
     for t0 in range(r0, r1, tile):
         t1 = min(r1, t0 + tile)
@@ -70,12 +86,20 @@ def _dot_rows(w, a, r0, r1, out):
                     acc2 += x * a[i + 2, j]
                     acc3 += x * a[i + 3, j]
                 out[i, r], out[i + 1, r], out[i + 2, r], out[i + 3, r] = acc0, acc1, acc2, acc3
-        for i in range(m - m % 4, m):
+        for i in range(m - m % 4, m - 1, 2):
+            for r in range(t0, t1):
+                acc0, acc1 = F32(0), F32(0)
+                for j in range(k):
+                    x = weight_value(w[r, j])
+                    acc0 += x * a[i, j]
+                    acc1 += x * a[i + 1, j]
+                out[i, r], out[i + 1, r] = acc0, acc1
+        if m % 2:
             for r in range(t0, t1):
                 acc = F32(0)
                 for j in range(k):
-                    acc += weight_value(w[r, j]) * a[i, j]
-                out[i, r] = acc
+                    acc += weight_value(w[r, j]) * a[m - 1, j]
+                out[m - 1, r] = acc
 
 
 @njit(parallel=True, cache=True, error_model="numpy")

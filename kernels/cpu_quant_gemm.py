@@ -33,13 +33,12 @@ import torch
 from numba import get_num_threads, njit, prange, types
 from numba.extending import overload
 
-from kernels import checks
+from kernels import checks, cpu_gemv
 from kernels.cpu_precision import bf16_operands
-from kernels.cpu_numerics import (F32, U8, U16, U32, U64, amax_key, bits_f32, borrow, clamp_inf, e4m3_code, f32_bits,
-                                  half_value, pow2, ue8m0_exponent, ue8m0_value)
+from kernels.cpu_numerics import (F32, U8, U16, U32, U64, amax_key, bits_f32, borrow, clamp_inf, e4m3_code,
+                                  e4m3_half_bits, f32_bits, half_value, pow2, ue8m0_exponent, ue8m0_value)
 from kernels.reference import ACT_GROUP, E2M1_VALUES, FP4_GROUP
 
-I8, I16 = np.int8, np.int16
 
 TILE_BYTES = 1 << 21     # fp32 weight tile per mm: about a core's L2 (larger tiles help large M)
 # Activation rows (per expert for the grouped ops) up to which the fused row kernels beat tile
@@ -57,9 +56,6 @@ FP4_GEMV_MAX_ROWS = 64
 # buffers each task allocates cost nothing (16-row tasks spent ~25% of a batch-1 GEMV there).
 ROWS_PER_TASK = 16
 TASKS_PER_THREAD = 4
-# Weight bytes a multi-row FP8 pass walks before its activation rows move on (`_fp8_dot_rows`):
-# the tile and a pass's activation rows stay in a core's L1 at K <= 1024.
-FP8_TILE_BYTES = 16 << 10
 # Reassociation (and FMA contraction) lets LLVM vectorise the fp32 dot products; unlike full
 # fastmath it keeps IEEE NaN / Inf semantics, so a NaN weight or activation still poisons its sums.
 _DOT_MATH = {"reassoc", "contract"}
@@ -92,21 +88,6 @@ def e4m3_value(code):
     v = F32(mant << (max(e, 1) - 1)) * F32(2.0**-9)
     v = -v if b >= 128 else v
     return F32(np.nan) if (b & 127) == 127 else v
-
-
-@njit(cache=True, error_model="numpy")
-def e4m3_half_bits(code):
-    """IEEE half bits worth e4m3fn(code) / 256. The half's exponent bias (15) is e4m3's (7) plus 8,
-    so e4m3's exponent and mantissa fields moved into the half's give that value for every code,
-    subnormals included (they land on half subnormals). The byte sign-extended to 16 bits and
-    shifted left by 7 puts the sign in bit 15 (its copy in bit 14 is cleared) and the fields in
-    bits 13..7. Only the NaN codes 0x7F / 0xFF have bits 13..7 all ones, so adding 1 << 7
-    carries into bit 14 for them alone, and OR-ing that carry in makes the half's exponent all
-    ones with a nonzero mantissa: a NaN. Five 16-bit vector ops per 8 codes (the previous mask
-    and select decode took eight, and ran 1.4x slower per weight), then `half_value`
-    (vcvtph2ps); every code is checked against torch's decode in tests/kernels/test_quant_gemm.py."""
-    h = U16(U16(I16(I8(code)) << I16(7)) & U16(0xBFFF))
-    return U16(h | (U16(h + U16(0x80)) & U16(0x4000)))
 
 
 @njit(cache=True, error_model="numpy")
@@ -218,51 +199,22 @@ def _fp8_dot_one_row(codes, r0, r1, scaled, out):
         out[0, r] = acc
 
 
-@njit(cache=True, error_model="numpy", fastmath=_DOT_MATH)
+@njit(cache=True, error_model="numpy")
 def _fp8_dot_rows(codes, r0, r1, scaled, out):
     """out[i, r] = e4m3 row codes[r] · scaled[i] for r in [r0, r1) (rows sharing one scale block
     row) and every activation row i scaled by `_scale_activations`. Each code is decoded inside
-    the dot product, for four activation rows per pass, then two, then one: 1.3-1.7x faster than
-    decoding the row into a buffer first, as the decoded weights never leave registers
-    (perf/bench_weight_decode.py). Every pass gives a row's sum the same vector order, so a
+    the dot product (the decoded weights never leave registers: 1.3-1.7x faster than decoding
+    the row into a buffer first, perf/bench_weight_decode.py): one activation row through
+    `_fp8_dot_one_row`, more through the row kernel every decode-sized product shares
+    (`cpu_gemv._dot_rows`: four, two, then one activation row a pass, over tiles of weight rows),
+    which reads a code as e4m3 / 256. Every pass gives a row's sum the same vector order, so a
     row's result does not depend on how many rows share the call (tested). One call per row
     block: a call per weight row cost ~40 ns of slicing and call overhead, a third of a K = 256
-    row. The weight rows go in tiles of about FP8_TILE_BYTES, each pass over a whole tile: a
-    pass's activation rows are read from L1 for the tile's rows rather than from L2 for every
-    weight row (16 rows at K = 2048 are 128 KiB). Each output is still the same loop's sum, so
-    the bits are the untiled kernel's; on a Zen 4 (2 threads, the tiny V4s' projections) 1.6-2.4x
-    faster at 16 rows, 1.5-1.9x at 4 (perf/bench_row_tiles.py, with the scaling fix above)."""
-    m, k = scaled.shape
-    if m == 1:
+    row."""
+    if scaled.shape[0] == 1:
         _fp8_dot_one_row(codes, r0, r1, scaled, out)
-        return
-    tile = max(1, FP8_TILE_BYTES // k)
-    for t0 in range(r0, r1, tile):
-        t1 = min(r1, t0 + tile)
-        for i in range(0, m - 3, 4):
-            for r in range(t0, t1):
-                acc0, acc1, acc2, acc3 = F32(0), F32(0), F32(0), F32(0)
-                for j in range(k):
-                    w = half_value(e4m3_half_bits(codes[r, j]))
-                    acc0 += w * scaled[i, j]
-                    acc1 += w * scaled[i + 1, j]
-                    acc2 += w * scaled[i + 2, j]
-                    acc3 += w * scaled[i + 3, j]
-                out[i, r], out[i + 1, r], out[i + 2, r], out[i + 3, r] = acc0, acc1, acc2, acc3
-        for i in range(m - m % 4, m - 1, 2):
-            for r in range(t0, t1):
-                acc0, acc1 = F32(0), F32(0)
-                for j in range(k):
-                    w = half_value(e4m3_half_bits(codes[r, j]))     # e4m3 / 256
-                    acc0 += w * scaled[i, j]
-                    acc1 += w * scaled[i + 1, j]
-                out[i, r], out[i + 1, r] = acc0, acc1
-        if m % 2:
-            for r in range(t0, t1):
-                acc = F32(0)
-                for j in range(k):
-                    acc += half_value(e4m3_half_bits(codes[r, j])) * scaled[m - 1, j]
-                out[m - 1, r] = acc
+    else:
+        cpu_gemv._dot_rows(codes, scaled, r0, r1, out)
 
 
 @njit(cache=True, error_model="numpy")
