@@ -6,8 +6,8 @@ is built for reuse, not for that stream: on an AMD EPYC (Zen 4, one thread) an f
 weight read from memory ran at 5.5-6.5 GB/s through `F.linear` at M = 1, against ~23 GB/s for a
 loop that dots one weight row at a time with every activation row (perf/bench_dense_gemv.py).
 Here each weight row is read from memory once and dotted with the M activation rows while it is
-in L1 (a tile of rows at a time, `_dot_rows`); fp32 weights and bf16-exact ones read as bf16
-bits share the kernel. The sums are fp32 with reassociation (LLVM vectorises along K) and FMA
+in L1 (a tile of rows at a time, `_dot_rows`); fp32 weights, bf16-exact ones read as bf16 bits,
+and (for several activation rows) the FP8 GEMV's e4m3 codes share the kernel. The sums are fp32 with reassociation (LLVM vectorises along K) and FMA
 contraction, never nnan/ninf, so NaN and Inf propagate. Rows are split into parallel tasks like
 the quantized GEMVs.
 
@@ -104,8 +104,8 @@ def _dot_rows(w, a, r0, r1, out):
 
 @njit(parallel=True, cache=True, error_model="numpy")
 def _gemv(w_arg, a_arg, out_arg, per):
-    """out [M, N] = a [M, K] @ w [N, K]^T in fp32 (w fp32 or bf16 bits), weight rows in tasks of
-    `per`."""
+    """out [M, N] = a [M, K] @ w [N, K]^T in fp32 (w fp32 or bf16 bits, `weight_value`), weight
+    rows in tasks of `per`."""
     w, a, out = borrow(w_arg), borrow(a_arg), borrow(out_arg)
     n = w.shape[0]
     for task in prange((n + per - 1) // per):

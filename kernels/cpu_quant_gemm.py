@@ -39,7 +39,6 @@ from kernels.cpu_numerics import (F32, U8, U16, U32, U64, amax_key, bits_f32, bo
                                   e4m3_half_bits, f32_bits, half_value, pow2, ue8m0_exponent, ue8m0_value)
 from kernels.reference import ACT_GROUP, E2M1_VALUES, FP4_GROUP
 
-
 TILE_BYTES = 1 << 21     # fp32 weight tile per mm: about a core's L2 (larger tiles help large M)
 # Activation rows (per expert for the grouped ops) up to which the fused row kernels beat tile
 # decode + sgemm (perf/bench_quant_gemm.py prints both paths per M). FP8: on a 2-core Xeon they

@@ -1,9 +1,10 @@
 """Multi-row decode products on CPU: the row kernels' weight tiles against the previous loop order.
 
-A decode step of B sequences multiplies B activation rows by each weight. The row kernels
-(kernels/cpu_quant_gemm.py `_fp8_dot_rows`, kernels/cpu_gemv.py `_dot_rows`) now walk the
-weight rows in tiles of about 16 KiB, a pass of four activation rows over a whole tile, so the
-pass's activation rows stay in L1 while the tile's rows go by. The previous kernels, kept here as
+A decode step of B sequences multiplies B activation rows by each weight. The FP8 and dense
+products now share one row kernel (kernels/cpu_gemv.py `_dot_rows`, which kernels/cpu_quant_gemm.py
+`_fp8_dot_rows` calls for more than one row): it walks the weight rows in tiles of about 16 KiB,
+a pass of four activation rows over a whole tile, so the pass's activation rows stay in L1 while
+the tile's rows go by. The previous kernels, kept here as
 baselines, finished one weight row against every activation row before the next, so from
 K ~ 1024 the activation rows came from L2 again for every weight row; the previous dense kernel
 also dotted one activation row at a time, and the previous activation scaling of the FP8 kernel
