@@ -112,6 +112,16 @@ def _gemv(w_arg, a_arg, out_arg, per):
         _dot_rows(w, a, task * per, min(n, (task + 1) * per), out)
 
 
+@njit(cache=True, error_model="numpy")
+def _product(w, a, out, per):
+    """out = a @ w^T through `_gemv` with `per` weight rows a task, or on this thread (per = 0:
+    a parallel launch costs more than a small product)."""
+    if per:
+        _gemv(w, a, out, per)
+    else:
+        _dot_rows(w, a, 0, w.shape[0], out)
+
+
 def bf16_copy(weight: torch.Tensor) -> torch.Tensor | None:
     """The bf16 bits (uint16, same shape) of an fp32 weight whose every value is a bf16, or None."""
     half = weight.detach().to(torch.bfloat16)

@@ -62,18 +62,10 @@ def linear(desc, i, x, out, arrays):
     codes in u2; `arrays`: the step's lists, kernels/cpu_step_layout.py)."""
     f2, u2, h2 = arrays[1], arrays[3], arrays[6]
     kind, n, per = desc[i, KIND], desc[i, N], desc[i, PER]
-    if kind == DENSE_BF16:
-        wb = h2[desc[i, W]]
-        if per:
-            cpu_gemv._gemv(wb, x, out, per)
-        else:
-            cpu_gemv._dot_rows(wb, x, 0, n, out)
+    if kind == DENSE_BF16:                          # two branches: the lists hold different dtypes
+        cpu_gemv._product(h2[desc[i, W]], x, out, per)
     elif kind == DENSE:
-        w = f2[desc[i, W]]
-        if per:
-            cpu_gemv._gemv(w, x, out, per)
-        else:
-            cpu_gemv._dot_rows(w, x, 0, n, out)
+        cpu_gemv._product(f2[desc[i, W]], x, out, per)
     elif kind == FP8:
         codes, scales = u2[desc[i, W]], u2[desc[i, S]]
         if per:

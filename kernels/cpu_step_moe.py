@@ -34,15 +34,6 @@ from kernels.cpu_torch_sum import ILP, LEVELS, sum_squares
 
 
 @njit(cache=True, error_model="numpy")
-def dense_rows(w, x, out, per):
-    """out [M, N] = x @ w^T through the dense row kernel, on this thread (per 0) or in tasks."""
-    if per:
-        cpu_gemv._gemv(w, x, out, per)
-    else:
-        cpu_gemv._dot_rows(w, x, 0, w.shape[0], out)
-
-
-@njit(cache=True, error_model="numpy")
 def _route(layer, layer_f, li, scores, token_ids, arrays, ids, weights):
     """ids, weights [T, k] of every token: the hash table's ids or the top-k of scores + bias."""
     f1, i2 = arrays[0], arrays[5]
@@ -86,7 +77,7 @@ def moe(layer, layer_f, li, x, token_ids, lin, grp, arrays, chunk, softplus_chun
     t_count, hidden = x.shape
     num_experts, k, inter = layer[li, EXPERTS], layer[li, TOPK], layer[li, INTER]
     logits = np.empty((t_count, num_experts), np.float32)                   # [T, E]
-    dense_rows(arrays[1][layer[li, GATE]], x, logits, layer[li, GATE_PER])
+    cpu_gemv._product(arrays[1][layer[li, GATE]], x, logits, layer[li, GATE_PER])
     scores = np.empty((t_count, num_experts), np.float32)
     router_scores(logits, scores, softplus_chunk, threads)
     ids = np.empty((t_count, k), np.int32)

@@ -199,7 +199,7 @@ class StepProgram:
         row_f[L.EPS], row_f[L.HC_EPS] = cfg.rms_norm_eps, cfg.hc_eps
 
     # ---- products --------------------------------------------------------------------------------
-    def _per(self, rows: int, weight_bytes: int, act_rows: int = 1) -> int:
+    def _per(self, rows: int, weight_bytes: int, act_rows: int) -> int:
         """0 (this thread) or the parallel kernel's weight rows a task, for `rows` weight rows of
         `weight_bytes` each met by about `act_rows` activation rows."""
         if numba.get_num_threads() == 1 or weight_bytes * act_rows < PARALLEL_BYTES:
