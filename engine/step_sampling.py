@@ -36,6 +36,7 @@ class DeviceSample:
     num_accepted: torch.Tensor  # [P] int64
     finite: torch.Tensor  # [P] bool: every logit of the request's rows is finite
     logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # chosen [P, Q], top ids/values [P, Q, N]
+    host: "HostSample | None" = None  # the same values, when they were made on the host (no read needed)
 
 
 @dataclass
@@ -243,12 +244,15 @@ def _plain_greedy_on_host(pending: list, logits: torch.Tensor) -> bool:
 
 def _greedy_on_host(pending: list, logits: torch.Tensor) -> DeviceSample:
     """The general path's DeviceSample for `_plain_greedy_on_host` steps in one numba pass per
-    row (kernels/cpu_sampling.py: argmax and finiteness together), without gathering the rows."""
-    rows = np.fromiter((p.logit_rows.stop - 1 for p in pending), np.int64, len(pending))
-    token = torch.empty(len(pending), dtype=torch.int64)
-    finite = torch.empty(len(pending), dtype=torch.bool)
-    cpu_sampling.greedy_rows(logits.numpy(), rows, token.numpy(), finite.numpy())
-    return DeviceSample(token[:, None], torch.zeros_like(token), finite, None)
+    row (kernels/cpu_sampling.py: argmax and finiteness together), without gathering the rows.
+    Its arrays are numpy's (torch wraps them without copies), so it carries its HostSample too:
+    the read back has nothing to copy."""
+    n = len(pending)
+    rows = np.fromiter((p.logit_rows.stop - 1 for p in pending), np.int64, n)
+    token, accepted, finite = np.empty((n, 1), np.int64), np.zeros(n, np.int64), np.empty(n, np.bool_)
+    cpu_sampling.greedy_rows(logits.numpy(), rows, token.reshape(n), finite)
+    return DeviceSample(torch.from_numpy(token), torch.from_numpy(accepted), torch.from_numpy(finite), None,
+                        HostSample(token, accepted, finite, None, None, None, None))
 
 
 def _draw(logits: torch.Tensor, rows: SamplingRows) -> tuple[torch.Tensor, torch.Tensor]:
@@ -295,9 +299,12 @@ class PendingRead:
     emitted_shape: tuple | None
     drafts_shape: tuple | None
     logprob_shapes: tuple | None  # (chosen, top ids or None, top values or None)
+    ready: HostSample | None = None  # a sample made on the host: nothing was copied, `wait` returns it
 
     def wait(self) -> HostSample:
         """Block until the copy has landed (the step's one host sync) and split it."""
+        if self.ready is not None:
+            return self.ready
         if self.event is not None:
             self.event.synchronize()
         parts = iter(_cut(self.blob.numpy(), self.sizes))
@@ -331,6 +338,8 @@ def start_read(sample: DeviceSample | None, drafts: torch.Tensor | None) -> Pend
     step before `PendingRead.wait`."""
     if sample is None and drafts is None:
         return None
+    if drafts is None and sample.host is not None:
+        return PendingRead(None, None, [], None, None, None, ready=sample.host)
     ints = []
     if sample is not None:
         ints += [sample.emitted.flatten(), sample.num_accepted, sample.finite.long()]

@@ -71,23 +71,78 @@ def race_argmax(probs, log_u, out):
         out[r] = at
 
 
+_BLOCK = 256                 # greedy_rows' block: a vector max over it, then one block rescanned
+_EXPONENT = np.uint32(0x7F800000)
+
+
+@njit(cache=True)
+def _all_finite(bits) -> bool:
+    """Whether no fp32 value whose bits are `bits` [V] uint32 is an infinity or a NaN (all of
+    its exponent bits set): integer compares, which vectorise without fast-math."""
+    bad = 0
+    for j in range(bits.shape[0]):
+        bad |= (bits[j] & _EXPONENT) == _EXPONENT
+    return bad == 0
+
+
+@njit(cache=True, inline="always")
+def _max_of(row, lo, hi):
+    """A value equal to max(row[lo:hi]) of finite values, hi - lo a multiple of 8: eight running
+    maxima, which LLVM packs into one vector (a single running maximum stays scalar)."""
+    m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = row[lo]
+    for j in range(lo, hi, 8):
+        m0 = row[j] if row[j] > m0 else m0
+        m1 = row[j + 1] if row[j + 1] > m1 else m1
+        m2 = row[j + 2] if row[j + 2] > m2 else m2
+        m3 = row[j + 3] if row[j + 3] > m3 else m3
+        m4 = row[j + 4] if row[j + 4] > m4 else m4
+        m5 = row[j + 5] if row[j + 5] > m5 else m5
+        m6 = row[j + 6] if row[j + 6] > m6 else m6
+        m7 = row[j + 7] if row[j + 7] > m7 else m7
+    return max(max(max(m0, m1), max(m2, m3)), max(max(m4, m5), max(m6, m7)))
+
+
+@njit(cache=True)
+def _first_argmax(row):
+    """torch's argmax of `row` [V] fp32: the first maximum, or the first NaN."""
+    best, at = row[0], 0
+    if best != best:
+        return 0
+    for j in range(1, row.shape[0]):
+        v = row[j]
+        if v != v:
+            return j
+        if v > best:
+            best, at = v, j
+    return at
+
+
 @njit(cache=True)
 def greedy_rows(logits, rows, token, finite):
     """For each i: token[i] = argmax of logits[rows[i]] (torch's: the first maximum, or the first
-    NaN) and finite[i] = whether every logit of that row is finite, in one pass over the row.
-    logits [N, V] fp32; rows [P] int64; token [P] int64; finite [P] bool."""
+    NaN) and finite[i] = whether every logit of that row is finite. logits [N, V] fp32; rows [P]
+    int64; token [P] int64; finite [P] bool. A finite row (the usual one) takes two vector passes:
+    its exponents, then its blocks' maxima, keeping the first block with the largest one; the
+    first element of that block equal to its maximum is the first maximum of the row (-0.0 and
+    0.0 compare equal in both the scalar path and this one). Other rows take the scalar path."""
     for i in range(rows.shape[0]):
         row = logits[rows[i]]
-        best, at = row[0], 0
-        nan = best != best
-        ok = math.isfinite(best)
-        for j in range(1, row.shape[0]):
-            v = row[j]
-            if not math.isfinite(v):
-                ok = False
-            if not nan:
-                if v != v:
-                    at, nan = j, True
-                elif v > best:
-                    best, at = v, j
-        token[i], finite[i] = at, ok
+        ok = _all_finite(row.view(np.uint32))
+        finite[i] = ok
+        if not ok:
+            token[i] = _first_argmax(row)
+            continue
+        n = row.shape[0]
+        full = n - n % _BLOCK
+        best, block = row[0], 0
+        for lo in range(0, full, _BLOCK):
+            m = _max_of(row, lo, lo + _BLOCK)
+            if m > best:
+                best, block = m, lo
+        for j in range(full, n):               # the tail, after every full block
+            if row[j] > best:
+                best, block = row[j], j
+        at = block
+        while row[at] != best:
+            at += 1
+        token[i] = at

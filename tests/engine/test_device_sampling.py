@@ -305,13 +305,15 @@ def test_one_host_read_per_static_decode_step(model, spec):
     assert not spec or engine.stats.spec_draft_tokens > 0  # verify steps with MTP drafts were among them
 
 
-def test_the_cpu_greedy_pass_equals_argmax_and_isfinite():
-    """kernels/cpu_sampling.greedy_rows (a greedy step's one pass per row on CPU) against torch's
-    argmax (first maximum, first NaN) and isfinite over ties, infinities and NaNs."""
+@pytest.mark.parametrize("vocab", [300, 1000, 4133])
+def test_the_cpu_greedy_pass_equals_argmax_and_isfinite(vocab):
+    """kernels/cpu_sampling.greedy_rows (a greedy step's pass per row on CPU: its vector blocks of
+    256 for a finite row) against torch's argmax (first maximum, first NaN) and isfinite over
+    ties within and across blocks, signed zeros, a maximum in the tail, infinities and NaNs."""
     from kernels import cpu_sampling
 
     g = torch.Generator().manual_seed(9)
-    logits = torch.randn(12, 300, generator=g)
+    logits = torch.randn(16, vocab, generator=g)
     logits[1] = 0.5                                            # all tied: index 0
     logits[2, 7] = logits[2, 200] = 99.0                       # tied maximum: the first
     logits[3, 5] = float("inf")
@@ -319,9 +321,14 @@ def test_the_cpu_greedy_pass_equals_argmax_and_isfinite():
     logits[5, 17], logits[5, 40] = float("nan"), 1e9            # a NaN before the maximum wins
     logits[6, 0] = float("nan")
     logits[7] = float("-inf")
-    logits[8, 299] = float("nan")
-    rows = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 8, 11, 2, 9])  # any order, repeats
-    token, finite = torch.empty(12, dtype=torch.int64), torch.empty(12, dtype=torch.bool)
+    logits[8, vocab - 1] = float("nan")
+    logits[9, vocab - 1] = 50.0                                # the maximum in the last elements
+    logits[10] = -logits[10].abs() - 1                         # -0.0 then 0.0 (maybe blocks apart): the -0.0
+    logits[10, 3], logits[10, vocab - 2] = -0.0, 0.0
+    logits[12, 299], logits[12, vocab - 3] = 7.0, 7.0          # a tie whose second half may sit blocks later
+    logits[13, 255], logits[13, 256 % vocab] = 8.0, 8.0         # a tie across a block's edge
+    rows = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 2, 15, 14])  # any order, repeats
+    token, finite = torch.empty(len(rows), dtype=torch.int64), torch.empty(len(rows), dtype=torch.bool)
     cpu_sampling.greedy_rows(logits.numpy(), rows.numpy(), token.numpy(), finite.numpy())
     assert torch.equal(token, logits[rows].argmax(-1))
     assert torch.equal(finite, torch.isfinite(logits[rows]).all(-1))
