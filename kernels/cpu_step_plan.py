@@ -75,6 +75,9 @@ class Unsupported(Exception):
     """The shape or the model is outside what the compiled step covers."""
 
 
+_VERSION = operator.attrgetter("_version")
+
+
 def _version(t: torch.Tensor) -> int:
     """t's in-place write counter; -1 for an inference tensor, which has none (nothing can write
     it outside inference mode, and the engine never does inside)."""
@@ -102,7 +105,10 @@ class _Arrays:
         self.holders: list[dict] = []
         self.keys: list = []
         self.objects: list = []
-        self.versions: list[tuple[torch.Tensor, int]] = []  # (parameter, version) of each bf16 copy's source
+        # Each bf16 copy's source parameter and its in-place write counter then (inference tensors,
+        # which have none, are left out: nothing writes them); checked in C-level loops.
+        self.versioned: list[torch.Tensor] = []
+        self.versions: list[int] = []
 
     def add(self, kind: str, t: torch.Tensor | np.ndarray, dtype=np.float32) -> int:
         arr = t if isinstance(t, np.ndarray) else _np(t)
@@ -126,7 +132,13 @@ class _Arrays:
     def unchanged(self) -> bool:
         # C-level loops: this runs before every step, and ~120 generator steps cost ~20 µs cold
         return (all(map(operator.is_, map(dict.get, self.holders, self.keys), self.objects))
-                and all(_version(t) == v for t, v in self.versions))
+                and list(map(_VERSION, self.versioned)) == self.versions)
+
+    def watch_version(self, t: torch.Tensor, version: int) -> None:
+        """Rebuild the program if t is written in place (its version moves past `version`)."""
+        if not t.is_inference():
+            self.versioned.append(t)
+            self.versions.append(version)
 
 
 class StepProgram:
@@ -214,7 +226,7 @@ class StepProgram:
         cached = self.bf16_copies.get(id(param))
         if cached is None or cached[0] is not param or cached[1] != version:
             cached = self.bf16_copies[id(param)] = (param, version, bf16_copy(weight))
-        self.arrays.versions.append((param, version))
+        self.arrays.watch_version(param, version)
         return cached[2]
 
     def _dense(self, w: torch.Tensor) -> int:
