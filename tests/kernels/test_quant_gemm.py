@@ -525,3 +525,28 @@ def test_fp8_gemv_rows_do_not_depend_on_their_neighbours(k, grouped):
         assert all(same(out[i], alone[i]) for i in range(m)), f"{m} rows"
         wd = reference.dequantize_fp8_weight(w[1] if grouped else w, s[1] if grouped else s, (32, 32))
         assert_gemm_close(out, ref, abs_gemm(x[:m], wd, False), k)
+
+
+@pytest.mark.parametrize("k", [32, 96, 1024])
+@pytest.mark.parametrize("grouped", [False, True])
+def test_fp4_gemv_rows_do_not_depend_on_their_neighbours(k, grouped):
+    """The fused FP4 GEMV decodes a weight row once and dots it with every activation row: each
+    row's output must equal the same row computed alone, bit for bit, whatever the row count up
+    to FP4_GEMV_MAX_ROWS (batch invariance, which a multi-row pass must keep), and stay within
+    the reference's bound."""
+    g = torch.Generator().manual_seed(k)
+    w, s = fp4_weight((3, 37, k) if grouped else (37, k), 32, g)
+    x = activations(cpu_quant_gemm.FP4_GEMV_MAX_ROWS, k, g)
+
+    def product(rows: torch.Tensor) -> torch.Tensor:
+        if grouped:                                                     # every row through expert 1
+            ends = torch.tensor([0, rows.shape[0], rows.shape[0]], dtype=torch.int32)
+            return kernels.fp4_grouped_mm(rows, w, s, ends, out_dtype=torch.float32)
+        return kernels.fp4_linear(rows, w, s, out_dtype=torch.float32)
+
+    alone = [product(x[i:i + 1])[0] for i in range(x.shape[0])]
+    wd = reference.dequantize_fp4_weight(w[1] if grouped else w, s[1] if grouped else s)
+    for m in (2, 3, 4, 5, 6, 7, 9, 16, 31, x.shape[0]):
+        out = product(x[:m])
+        assert all(same(out[i], alone[i]) for i in range(m)), f"{m} rows"
+        assert_gemm_close(out, x[:m] @ wd.T, abs_gemm(x[:m], wd, False), k)
