@@ -288,14 +288,18 @@ class ModelRunner:
     def _outputs(self, pending: list[_Pending], host: HostSample | None,
                  drafts: Drafts | None) -> dict[int, RequestStepOutput]:
         outputs = {}
+        if not pending:
+            return outputs
         draft_row = {i: r for r, i in enumerate(drafts.live)} if drafts is not None else {}
+        # Python lists first: one conversion each instead of a numpy scalar per element
+        finite, accepted, emitted = host.finite.tolist(), host.num_accepted.tolist(), host.emitted.tolist()
         for i, pend in enumerate(pending):
             req = pend.sched.request
-            if not host.finite[i]:
+            if not finite[i]:
                 outputs[req.request_id] = RequestStepOutput([], error="non-finite logits")
                 continue
-            n = int(host.num_accepted[i]) + 1
-            out = RequestStepOutput([int(t) for t in host.emitted[i, :n]])
+            n = accepted[i] + 1
+            out = RequestStepOutput(emitted[i][:n])
             top = req.params.logprobs
             if top is not None:
                 out.logprobs = [float(v) for v in host.chosen[i, :n]]
@@ -303,7 +307,7 @@ class ModelRunner:
                                     if top else [] for j in range(n)]
             r = draft_row.get(i)
             if r is not None:
-                proposed = [int(t) for t in host.drafts[r]]
+                proposed = host.drafts[r].tolist()
                 if self.draft_override is not None:
                     proposed = self.draft_override(req, out.accepted, proposed)
                 out.drafts = proposed[: host.drafts.shape[1]]

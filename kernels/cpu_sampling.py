@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 MASK = 0xFFFFFFFF
 MUL = 0x45D9F3B
@@ -118,31 +118,41 @@ def _first_argmax(row):
 
 
 @njit(cache=True)
+def _greedy_row(row):
+    """(torch's argmax of row [V] fp32, whether every value is finite): see greedy_rows."""
+    if not _all_finite(row.view(np.uint32)):
+        return _first_argmax(row), False
+    n = row.shape[0]
+    full = n - n % _BLOCK
+    best, block = row[0], 0
+    for lo in range(0, full, _BLOCK):
+        m = _max_of(row, lo, lo + _BLOCK)
+        if m > best:
+            best, block = m, lo
+    for j in range(full, n):               # the tail, after every full block
+        if row[j] > best:
+            best, block = row[j], j
+    at = block
+    while row[at] != best:
+        at += 1
+    return at, True
+
+
+@njit(cache=True)
 def greedy_rows(logits, rows, token, finite):
     """For each i: token[i] = argmax of logits[rows[i]] (torch's: the first maximum, or the first
     NaN) and finite[i] = whether every logit of that row is finite. logits [N, V] fp32; rows [P]
     int64; token [P] int64; finite [P] bool. A finite row (the usual one) takes two vector passes:
     its exponents, then its blocks' maxima, keeping the first block with the largest one; the
     first element of that block equal to its maximum is the first maximum of the row (-0.0 and
-    0.0 compare equal in both the scalar path and this one). Other rows take the scalar path."""
+    0.0 compare equal in both the scalar path and this one). Other rows take the scalar pass."""
     for i in range(rows.shape[0]):
-        row = logits[rows[i]]
-        ok = _all_finite(row.view(np.uint32))
-        finite[i] = ok
-        if not ok:
-            token[i] = _first_argmax(row)
-            continue
-        n = row.shape[0]
-        full = n - n % _BLOCK
-        best, block = row[0], 0
-        for lo in range(0, full, _BLOCK):
-            m = _max_of(row, lo, lo + _BLOCK)
-            if m > best:
-                best, block = m, lo
-        for j in range(full, n):               # the tail, after every full block
-            if row[j] > best:
-                best, block = row[j], j
-        at = block
-        while row[at] != best:
-            at += 1
-        token[i] = at
+        token[i], finite[i] = _greedy_row(logits[rows[i]])
+
+
+@njit(parallel=True, cache=True)
+def greedy_rows_parallel(logits, rows, token, finite):
+    """greedy_rows with the rows spread over numba's threads (a batch's rows: each pass reads a
+    whole vocabulary)."""
+    for i in prange(rows.shape[0]):
+        token[i], finite[i] = _greedy_row(logits[rows[i]])

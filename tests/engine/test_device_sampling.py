@@ -307,8 +307,8 @@ def test_one_host_read_per_static_decode_step(model, spec):
 
 @pytest.mark.parametrize("vocab", [300, 1000, 4133])
 def test_the_cpu_greedy_pass_equals_argmax_and_isfinite(vocab):
-    """kernels/cpu_sampling.greedy_rows (a greedy step's pass per row on CPU: its vector blocks of
-    256 for a finite row) against torch's argmax (first maximum, first NaN) and isfinite over
+    """kernels/cpu_sampling.greedy_rows and its parallel twin (a greedy step's pass per row on CPU:
+    vector blocks of 256 for a finite row) against torch's argmax (first maximum, first NaN) and isfinite over
     ties within and across blocks, signed zeros, a maximum in the tail, infinities and NaNs."""
     from kernels import cpu_sampling
 
@@ -328,7 +328,8 @@ def test_the_cpu_greedy_pass_equals_argmax_and_isfinite(vocab):
     logits[12, 299], logits[12, vocab - 3] = 7.0, 7.0          # a tie whose second half may sit blocks later
     logits[13, 255], logits[13, 256 % vocab] = 8.0, 8.0         # a tie across a block's edge
     rows = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 2, 15, 14])  # any order, repeats
-    token, finite = torch.empty(len(rows), dtype=torch.int64), torch.empty(len(rows), dtype=torch.bool)
-    cpu_sampling.greedy_rows(logits.numpy(), rows.numpy(), token.numpy(), finite.numpy())
-    assert torch.equal(token, logits[rows].argmax(-1))
-    assert torch.equal(finite, torch.isfinite(logits[rows]).all(-1))
+    for greedy in (cpu_sampling.greedy_rows, cpu_sampling.greedy_rows_parallel):
+        token, finite = torch.empty(len(rows), dtype=torch.int64), torch.empty(len(rows), dtype=torch.bool)
+        greedy(logits.numpy(), rows.numpy(), token.numpy(), finite.numpy())
+        assert torch.equal(token, logits[rows].argmax(-1))
+        assert torch.equal(finite, torch.isfinite(logits[rows]).all(-1))
