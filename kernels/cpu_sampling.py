@@ -1,5 +1,6 @@
-"""The sampler's CPU kernels: the counter hash (engine/counter_rng.py) and the exponential race's
-argmax (engine/sampler.py), each one numba call instead of a chain of torch ops.
+"""The sampler's CPU kernels: the counter hash (engine/counter_rng.py), the exponential race's
+argmax (engine/sampler.py) and a greedy step's argmax with its finiteness check (`greedy_rows`,
+vector passes over blocks of the vocabulary), each one numba call instead of a chain of torch ops.
 
 On the GPU the hash is ~35 small torch ops a step, launched without a host sync; on the CPU each
 of them is a dispatch of a few microseconds, ~75 µs per `row_keys` call, and the uniform grid of
@@ -11,8 +12,6 @@ takes torch's log of the uniforms (its SLEEF log is not reproduced here) and fus
 the fp32 division and the argmax, which are exact operations, so its token is torch's too.
 """
 from __future__ import annotations
-
-import math
 
 import numpy as np
 from numba import njit, prange
