@@ -77,6 +77,19 @@ class Unsupported(Exception):
 
 _VERSION = operator.attrgetter("_version")
 
+# Parameters registered in this process so far (nn.Module.__setattr__ of a Parameter registers it):
+# a program built before a registration may view a replaced weight, so it is rebuilt. A global
+# count costs one compare a step, where watching each viewed parameter's slot cost ~80 lookups.
+_registrations = 0
+
+
+def _count_registration(module, name, param) -> None:
+    global _registrations
+    _registrations += 1
+
+
+torch.nn.modules.module.register_module_parameter_registration_hook(_count_registration)
+
 
 def _version(t: torch.Tensor) -> int:
     """t's in-place write counter; -1 for an inference tensor, which has none (nothing can write
@@ -101,7 +114,9 @@ class _Arrays:
         self.lists = _new_lists()                # run_step's typed lists (kernels/cpu_step_layout.py's order)
         self.items: dict[str, list[np.ndarray]] = {kind: [] for kind in _LIST_KINDS}  # the same arrays, for Python
         self.keep: list = []                     # tensors the views alias (kept alive)
-        # Checked before each run: holders[i][keys[i]] is still objects[i] (holders: dicts).
+        # Checked before each run: no parameter was registered (replaced) since the build, and
+        # holders[i][keys[i]] is still objects[i] (holders: dicts of what is not a parameter).
+        self.registrations = _registrations
         self.holders: list[dict] = []
         self.keys: list = []
         self.objects: list = []
@@ -126,12 +141,10 @@ class _Arrays:
         self.keys.append(key)
         self.objects.append(holder[key])
 
-    def watch_param(self, module: torch.nn.Module, name: str) -> None:
-        self.watch(module._parameters, name)
-
     def unchanged(self) -> bool:
         # C-level loops: this runs before every step, and ~120 generator steps cost ~20 µs cold
-        return (all(map(operator.is_, map(dict.get, self.holders, self.keys), self.objects))
+        return (_registrations == self.registrations
+                and all(map(operator.is_, map(dict.get, self.holders, self.keys), self.objects))
                 and list(map(_VERSION, self.versioned)) == self.versions)
 
     def watch_version(self, t: torch.Tensor, version: int) -> None:
@@ -246,11 +259,9 @@ class StepProgram:
     def _linear(self, m) -> int:
         """A lin row for Linear m (its format as stored); returns its index."""
         a, kind = self.arrays, _KINDS[m.fmt.kind]
-        a.watch_param(m, "weight")
         if kind == DENSE:
             return self._dense(m.weight)
         else:
-            a.watch_param(m, "scale")
             p = m.cpu_prepared(m.weight, m.scale)
             if p is None or p.grouped_weight or p.scales.dtype != np.uint8:
                 raise Unsupported("a weight not prepared with byte scales")
@@ -263,7 +274,6 @@ class StepProgram:
         """A grp row for a stack [E, N, K] (experts, or wo_a's groups) of `slots` activation rows
         in all."""
         a, kind = self.arrays, _KINDS[m.fmt.kind]
-        a.watch_param(m, "weight")
         if kind == DENSE:
             if weight.dtype != torch.float32:
                 raise Unsupported("a dense stack not in fp32")
@@ -276,7 +286,6 @@ class StepProgram:
                     kind, weight = DENSE_T, weight.transpose(1, 2)
                 desc = [kind, a.add("f3", weight), -1, 1, 1, n, k, 0]
         else:
-            a.watch_param(m, "scale")
             p = m.cpu_prepared(weight, scale)
             if p is None or not p.grouped_weight or p.scales.dtype != np.uint8:
                 raise Unsupported("a stack not prepared with byte scales")
@@ -410,7 +419,6 @@ class StepProgram:
         step[L.MAX_CONTEXT], step[L.VOCAB] = batch.max_context, cfg.vocab_size
         if model.head.dtype != torch.float32:
             raise Unsupported("an LM head not in fp32")
-        a.watch_param(model, "head")
         step[L.EMBED], step[L.HEAD] = a.add("f2", model.embed), self._dense(model.head)
         hh = model.hc_head
         step[L.HEAD_FN], step[L.HEAD_BASE], step[L.HEAD_SCALE] = a.add("f2", hh.fn), a.add("f1", hh.base), \
