@@ -122,7 +122,7 @@ def test_a_node_with_other_flags_is_refused_and_a_missing_node_is_named(model_di
     node = Node(model_dir, *_group_flags(port, "--max-num-seqs", "3"), "--data-parallel-start-rank", "1")
     cmd = [sys.executable, "-m", "server.cli", "serve", str(model_dir), "--port", str(free_port()),
            "--kv-cache-memory", "0.05", "--block-size", "16", "--threads-per-worker", "1",
-           *_group_flags(port, "--rendezvous-timeout", "8")]  # the node, started first, is refused well before
+           *_group_flags(port, "--rendezvous-timeout", "4")]  # the node, started first, is refused well before
     t0 = time.monotonic()
     head = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _, stderr = head.communicate(timeout=120)
@@ -133,7 +133,7 @@ def test_a_node_with_other_flags_is_refused_and_a_missing_node_is_named(model_di
     assert node_code == 2 and "refused" in node_log and "configuration differs" in node_log, node_log
     assert head.returncode == 2
     last = stderr.strip().splitlines()[-1]  # one line says what is missing
-    assert "ranks [1]" in last and "8 s" in last, stderr[-2000:]
+    assert "ranks [1]" in last and "4 s" in last, stderr[-2000:]
     assert took < 60, took
     assert not segments_of(head.pid) and not workers(head.pid)
 
