@@ -56,8 +56,8 @@ class ImageServer:
         async def big_declared(request):
             return web.Response(body=b"\0" * (1 << 20), content_type="image/png")
 
-        async def slow(request):
-            await asyncio.sleep(2)
+        async def slow(request):  # well past the 0.3 s timeout of test_a_slow_server_times_out
+            await asyncio.sleep(1)
             return web.Response(body=PNG)
 
         async def to(request):
