@@ -19,8 +19,9 @@ def model_dir(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def server(model_dir):
+    """One server for test_api and test_bad_input (neither stops, overloads or counts on a fresh one)."""
     s = Server(model_dir, "--max-num-seqs", "4", "--max-queued-requests", "16")
     yield s
     assert s.stop() == 0, s.output()
