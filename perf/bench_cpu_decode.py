@@ -22,6 +22,8 @@ in one step, then --steps decode steps; ms per decode step, and ms for that pref
   bf16-mm  as default with `--cpu-matmul-precision bf16` (kernels/cpu_precision.py): torch's fp32
            matmuls multiply bf16 operands with fp32 accumulation (oneDNN); what `ringserve serve`
            runs on a CPU with AMX
+  scalar-argmax  as default with a greedy step's argmax the previous scalar pass
+           (perf/bench_greedy.py's baseline) instead of kernels/cpu_sampling.py's block pass
 Rounds interleave the variants (default, ref-ops, …) so a busy neighbour slows them alike;
 medians over --rounds. Ratios are variant / default (> 1: the default is faster). Rows: wall ms
 per decode step, wall ms of the prefill, and this process's CPU ms per decode step ("dec cpu":
@@ -62,12 +64,13 @@ from engine.linear import QuantWeight
 from engine.v4.fused_decode import FusedDecoder
 from engine.weights import load_model
 from ipc.messages import SamplingParams
-from kernels import cpu_decode, cpu_quant_gemm, cpu_step_plan
+from kernels import cpu_decode, cpu_quant_gemm, cpu_sampling, cpu_step_plan
 from kernels.cpu_precision import matmul_precision
 from perf.bench_quant_gemm import tiled
 from perf.machine import header, set_cpu_threads
 
-VARIANTS = ["default", "ops-step", "ref-ops", "per-seq", "tiled", "ops-moe", "generic", "bf16", "bf16-mm"]
+VARIANTS = ["default", "ops-step", "ref-ops", "per-seq", "tiled", "ops-moe", "generic", "bf16", "bf16-mm",
+            "scalar-argmax"]
 
 
 def step_ms(model, batch: int, prompt_len: int, steps: int, static: bool = True,
@@ -101,7 +104,7 @@ def step_ms(model, batch: int, prompt_len: int, steps: int, static: bool = True,
 
 @contextlib.contextmanager
 def switched(cls, name: str, value):
-    """cls.name = value for the duration (a FusedDecoder / QuantWeight switch)."""
+    """cls.name = value for the duration (a FusedDecoder / QuantWeight switch, a kernel module's function)."""
     saved = getattr(cls, name)
     setattr(cls, name, value)
     try:
@@ -162,6 +165,11 @@ def run_variant(name: str, models: dict, batch: int, args) -> tuple[float, float
             return run()
     if name == "generic":
         with generic_products(), switched(FusedDecoder, "cpu_step", False):
+            return run()
+    if name == "scalar-argmax":
+        from perf.bench_greedy import _greedy_rows_previous
+        with switched(cpu_sampling, "greedy_rows", _greedy_rows_previous), \
+                switched(cpu_sampling, "greedy_rows_parallel", _greedy_rows_previous):
             return run()
     if name == "bf16-mm":
         with matmul_precision("bf16"), switched(FusedDecoder, "cpu_step", False):
