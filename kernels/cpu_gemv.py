@@ -64,16 +64,9 @@ def _dot_rows(w, a, r0, r1, out):
     one-row-at-a-time dense loop at 4-16 rows, and on FP8 1.6-2.4x the untiled passes at 16 rows,
     on the LM heads and projections of the tiny V4s, the same bits (perf/bench_row_tiles.py)."""
     m, k = a.shape[0], w.shape[1]
-    if m == 1:
-        # One activation row stays in L1 anyway: the plain loop (the tiled one ran 0.87-0.91x on
-        # 128- and 512-wide weights, perf/bench_row_tiles.py --rows 1).
-        for r in range(r0, r1):
-            acc = F32(0)
-            for j in range(k):
-                acc += weight_value(w[r, j]) * a[0, j]
-            out[0, r] = acc
-        return
-    tile = max(1, TILE_BYTES // (k * w.itemsize))
+    # One activation row stays in L1 anyway: a single tile, i.e. the plain loop (tiles ran
+    # 0.87-0.91x there on 128- and 512-wide weights, perf/bench_row_tiles.py --rows 1).
+    tile = max(1, r1 - r0) if m == 1 else max(1, TILE_BYTES // (k * w.itemsize))
     for t0 in range(r0, r1, tile):
         t1 = min(r1, t0 + tile)
         for i in range(0, m - 3, 4):

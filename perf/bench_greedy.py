@@ -25,6 +25,7 @@ from numba import njit
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engine.step_sampling import _PARALLEL_GREEDY_ROWS  # noqa: E402
 from kernels import cpu_sampling  # noqa: E402
 from perf.machine import header, set_cpu_threads  # noqa: E402
 
@@ -69,7 +70,7 @@ def main() -> None:
     print(header("bench_greedy"), flush=True)
     set_cpu_threads(args.threads)
     print(f"# {args.threads} thread(s); medians of {args.repeats} calls, 3 interleaved rounds; current = "
-          f"greedy_rows (greedy_rows_parallel from {cpu_sampling_parallel_rows()} rows, as the engine picks)")
+          f"greedy_rows (greedy_rows_parallel from {_PARALLEL_GREEDY_ROWS} rows, as the engine picks)")
     print(f"{'vocab':>7s} {'rows':>4s} {'logits':>8s} {'previous us':>12s} {'current us':>11s} {'prev/cur':>9s}  agree")
     g = torch.Generator().manual_seed(0)
     for vocab in args.vocab:
@@ -81,7 +82,7 @@ def main() -> None:
                     logits[::2, vocab // 3] = float("nan")
                 x, rows = logits.numpy(), np.arange(m, dtype=np.int64)
                 outs = [(np.empty(m, np.int64), np.empty(m, np.bool_)) for _ in range(2)]
-                current = (cpu_sampling.greedy_rows_parallel if m >= cpu_sampling_parallel_rows()
+                current = (cpu_sampling.greedy_rows_parallel if m >= _PARALLEL_GREEDY_ROWS
                            else cpu_sampling.greedy_rows)
                 times: list[list[float]] = [[], []]
                 for _ in range(3):
@@ -91,11 +92,6 @@ def main() -> None:
                 p, c = (1e6 * statistics.median(t) for t in times)
                 print(f"{vocab:7d} {m:4d} {kind:>8s} {p:12.1f} {c:11.1f} {p / c:8.2f}x  {'yes' if agree else 'NO'}",
                       flush=True)
-
-
-def cpu_sampling_parallel_rows() -> int:
-    from engine.step_sampling import _PARALLEL_GREEDY_ROWS
-    return _PARALLEL_GREEDY_ROWS
 
 
 if __name__ == "__main__":
