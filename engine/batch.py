@@ -30,6 +30,10 @@ class ScheduledRequest:
     # it accepts is known on the device only. This step's positions are then
     # [start + a, end + a) for that count a ∈ [0, shift]: `start` is the earliest.
     shift: int = 0
+    # A plain greedy decode (num_tokens 1): positions past `end` that the same call may decode
+    # too, each step's input the argmax of the step before (the CPU's compiled step; the runner
+    # may run fewer). Their KV blocks are allocated; the output's tokens say how many it ran.
+    lookahead: int = 0
 
     @property
     def end(self) -> int:
@@ -39,7 +43,7 @@ class ScheduledRequest:
     @property
     def max_end(self) -> int:
         """The latest end the step's positions can reach (what its KV blocks must cover)."""
-        return self.start + self.num_tokens + self.shift
+        return self.start + self.num_tokens + self.shift + self.lookahead
 
     def token_ids(self) -> list[int]:
         """Token ids at positions [start, end): known tokens, then the trailing drafts (or a 0

@@ -280,6 +280,13 @@ class EngineConfig:
     # `_step_ahead`), MTP speculation included (on the static decode path). Off where a step's
     # inputs need its predecessor's results on the host: V4.1, PD roles, expert-parallel lockstep.
     async_scheduling: bool = False
+    # CPU: greedy decode steps one compiled call may run (kernels/cpu_step.py `greedy_steps`), each
+    # step's token the argmax of the one before, as vLLM's multi-step scheduling runs several
+    # steps per schedule: the engine's Python per step is paid once per call. Plain greedy
+    # requests only (no penalties, logprobs or grammar), without speculation or async
+    # scheduling; the call stops at a request's stop id, so output is unchanged, and a stream
+    # gets up to this many tokens at a time. 1 = one step per call.
+    cpu_decode_steps: int = 4
     seed: int = 0
     # --- PD disaggregation (engine/kv_connector.py): this engine's KV role and transport ---
     kv_transfer: KVTransferConfig | None = None
@@ -312,6 +319,7 @@ class EngineConfig:
             (self.speculative_tokens is None or 0 <= self.speculative_tokens <= 8, "speculative_tokens",
              "must be in [0, 8]"),
             (self.block_size >= 1, "block_size", "must be ≥ 1"),
+            (1 <= self.cpu_decode_steps <= 64, "cpu_decode_steps", "must be in [1, 64]"),
             (self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes", "must be positive"),
             (self.decoder_tail in ("exact", "approx"), "decoder_tail", "must be exact or approx"),
             (self.prefix_replay in PREFIX_REPLAY_MODES, "prefix_replay", f"must be one of {', '.join(PREFIX_REPLAY_MODES)}"),

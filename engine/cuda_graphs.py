@@ -24,6 +24,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .attention_backend import StepSeq
@@ -88,6 +89,13 @@ class StaticStep:
         q = batch.tokens_per_seq
         batch.positions[: n * q] += offsets[:, None].expand(n, q).reshape(-1)  # (no repeat_interleave: it may sync)
 
+    def run_greedy(self, steps: int, stops: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """Up to `steps` greedy decode steps of the live rows in one call (the CPU's compiled
+        step: FusedDecoder.greedy_steps): (tokens [n, done] int64, finite [n] bool), or None
+        where no compiled step covers the shape (run the single step). stops [n, S] int64:
+        each row's stop ids, −1 padding. The shape's tables must reach start + steps."""
+        return self.backend.run_greedy(self.shape, steps, self.num_rows, stops)
+
     def run(self, model, logit_rows: list[int] | None, inputs: torch.Tensor | None = None):
         """Streams [n·q, hc, D] of the live rows and the logits of `logit_rows` (None: all):
         views of static outputs where possible, valid until the next run. 'mtp' shapes take the
@@ -105,7 +113,7 @@ class StaticStep:
 class StaticDecodeBackend:
     def __init__(self, model: DeepseekV4, cache: KVCache, batch_sizes: tuple[int, ...],
                  tokens_per_seq: tuple[int, ...], max_model_len: int, capture: bool, draft_steps: bool = False,
-                 fused: bool = True):
+                 fused: bool = True, decode_steps: int = 1):
         if not batch_sizes or min(batch_sizes) < 1:
             raise ValueError(f"--cuda-graph-sizes must be positive batch sizes, got {list(batch_sizes)}")
         self.model, self.cache = model, cache
@@ -114,8 +122,9 @@ class StaticDecodeBackend:
         self.draft_steps = draft_steps and len(model.mtp) > 0  # also the MTP layer's draft steps
         b = cache.layout.block_size
         self.buckets = context_buckets(b, max_model_len)
-        # Sliding blocks a table can hold at a step: the kept window plus the step, across block edges.
-        self.sliding_blocks = -(-(cache.manager.keep + 2 * max(self.tokens_per_seq)) // b) + 2
+        # Sliding blocks a table can hold at a step: the kept window plus the step (its q tokens,
+        # or the `decode_steps` greedy steps of one call), across block edges.
+        self.sliding_blocks = -(-(cache.manager.keep + 2 * max(*self.tokens_per_seq, decode_steps)) // b) + 2
         self.capture = capture and torch.device(cache.device).type == "cuda"
         # The forward a shape runs: the fused kernels (engine/v4/fused_decode.py; Triton on CUDA,
         # the CPU kernels on CPU) or the torch static path (engine/v4/attention_decode.py).
@@ -244,6 +253,16 @@ class StaticDecodeBackend:
         out = self._run(shape.graph, lambda: self._forward(shape))
         if out is not None:
             shape.streams, shape.logits = out
+
+    @torch.inference_mode()
+    def run_greedy(self, shape: Shape, steps: int, live: int, stops: np.ndarray):
+        """StaticStep.run_greedy: None unless a compiled CPU step runs this target shape."""
+        if self.fused is None or shape.inputs is not None or shape.graph is not None:
+            return None
+        out = self.fused.greedy_steps(shape.batch, steps, live, stops)
+        if out is not None:
+            self.num_runs += 1
+        return out
 
     def _run(self, graph, program):
         """Replay `graph` (its outputs stay where capture put them: None), or run `program` eagerly

@@ -83,7 +83,7 @@ class Engine:
             sizes = static_batch_sizes(config, model.device)
             self.static = StaticDecodeBackend(model, self.cache, sizes, depths, max_len,
                                               capture=model.device.type == "cuda" and not config.enforce_eager,
-                                              draft_steps=k > 0)
+                                              draft_steps=k > 0, decode_steps=config.cpu_decode_steps)
             if self.static.capture:
                 _check_capturable_dispatch(model)
             self.static.capture_all()
@@ -92,6 +92,8 @@ class Engine:
         self.stats = EngineStats(spec_accepted_per_position=[0] * k)
         self.connector = None  # [kv-connector] PD disaggregation: engine.kv_connector.attach_connector sets it
         self.async_scheduling = _async_scheduling(config, k, arch, self.static is not None)
+        if _greedy_decode_steps(config, k, caps, self.static, self.async_scheduling):
+            self.scheduler.config = replace(sched_cfg, decode_steps=config.cpu_decode_steps)
         self._in_flight: tuple[LaunchedStep, float] | None = None  # async scheduling: step t, its start
         self.grammars = None  # structured outputs: GrammarCache, made at the first request with a grammar
         self.on_grammar_ready = None  # called (from the compile thread) when a grammar compile ends
@@ -332,6 +334,16 @@ def _async_scheduling(config: EngineConfig, num_drafts: int, arch, static: bool)
         logger.info("async scheduling is off: not supported with %s yet", why)
         return False
     return True
+
+
+def _greedy_decode_steps(config: EngineConfig, num_drafts: int, caps, static, async_scheduling: bool) -> bool:
+    """Whether plain greedy decodes may run --cpu-decode-steps steps per call: on a CPU, whose
+    compiled step (kernels/cpu_step.py) runs them, on the generic static decode path, without
+    speculation or async scheduling (whose steps read their predecessor's results). Expert-
+    parallel lockstep steps run one step each (ModelRunner.launch)."""
+    return (config.cpu_decode_steps > 1 and static is not None and not caps.own_static_decode
+            and static.fused is not None and torch.device(static.cache.device).type == "cpu"
+            and not num_drafts and not async_scheduling)
 
 
 def _drafts_of(launched: LaunchedStep) -> dict[int, int]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from . import counter_rng
@@ -139,10 +140,15 @@ class ModelRunner:
         n_sampled = len(logit_rows)
         scoring = self._prompt_rows(batch, logit_rows)  # appended after the sampled rows
         allow_static = allow_static and not scoring
+        step = None
+        if allow_static and ahead is None and not lockstep and not self.k:
+            step, greedy = self._greedy_steps(batch, rows, pending)
+            if greedy is not None:
+                return greedy
         flow = self._ahead_inputs(batch, rows, pending, ahead) if ahead is not None else None
         if flow is not None and flow.shifts is not None:
             step = self._shifted(rows, "model", flow.shifts, max(s.max_end for s in batch.scheduled))
-        else:
+        elif step is None:
             step = self._prepare(rows, allow_static=allow_static)
         if flow is not None:
             step.set_token_ids(flow.tokens)
@@ -161,6 +167,44 @@ class ModelRunner:
         # prompt scores read their logits now: static outputs are overwritten by the next launch
         scores = self._score_prompts(scoring, logits[n_sampled:]) if scoring else {}
         return LaunchedStep(batch, pending, sample, drafts, host, scores)
+
+    def _greedy_steps(self, batch: Batch, rows: list[StepSeq], pending: list[_Pending]
+                      ) -> tuple[StaticStep | None, "LaunchedStep | None"]:
+        """Several greedy decode steps in one call, where the scheduler gave every request a
+        lookahead (ScheduledRequest.lookahead: plain greedy decodes with KV blocks past this step)
+        and a compiled CPU step covers the shape (kernels/cpu_step.greedy_steps): up to 1 + the
+        smallest lookahead tokens per request, as accepted tokens, the call stopping after a step
+        in which a request met one of its stop ids. (prepared static step or None, the launched
+        step or None: run the usual single step, on that prepared step when there is one)."""
+        if self.static is None or not batch.scheduled or batch.uniform_decode != 1:
+            return None, None
+        steps = 1 + min(s.lookahead for s in batch.scheduled)
+        if steps == 1:
+            return None, None
+        step = self.static.prepare(rows, reach=max(r.start for r in rows) + steps)
+        if step is None:
+            return None, None
+        stops = self._stop_ids(pending)
+        ran = step.run_greedy(steps, stops)
+        if ran is None:
+            return step, None
+        tokens, finite = ran
+        accepted = np.full(len(pending), tokens.shape[1] - 1, np.int64)
+        host = HostSample(tokens, accepted, finite, None, None, None, None)
+        sample = DeviceSample(torch.from_numpy(tokens), torch.from_numpy(accepted), torch.from_numpy(finite), None,
+                              host)
+        return step, LaunchedStep(batch, pending, sample, None, host, {})
+
+    def _stop_ids(self, pending: list[_Pending]) -> np.ndarray:
+        """[P, S] int64: each request's ids that end it (EOS unless ignore_eos, its stop_token_ids),
+        −1 padding: where a multi-step call stops. The scheduler's update applies the stop rules."""
+        eos = tuple(self.model.cfg.eos_token_ids)
+        ids = [tuple(p.sched.request.params.stop_token_ids) + (() if p.sched.request.params.ignore_eos else eos)
+               for p in pending]
+        out = np.full((len(ids), max(map(len, ids), default=0)), -1, np.int64)
+        for i, row in enumerate(ids):
+            out[i, : len(row)] = row
+        return out
 
     def finish(self, launched: "LaunchedStep") -> StepOutput:
         """Wait for a launched step's results (its one host sync) and turn them into outputs."""

@@ -34,10 +34,15 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 8192
     num_speculative_tokens: int = 0
+    # Greedy decode steps one call may run (the CPU's compiled step, engine/model_runner.py
+    # `_greedy_steps`): a plain greedy decode gets KV blocks for up to this many positions.
+    decode_steps: int = 1
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be ≥ 1")
+        if self.decode_steps < 1:
+            raise ValueError("decode_steps must be ≥ 1")
         if self.max_num_batched_tokens < self.num_speculative_tokens + 1:
             raise ValueError("max_num_batched_tokens must hold one verify step (speculative tokens + 1)")
 
@@ -103,6 +108,7 @@ class Scheduler:
             # nothing, and admission goes on as without speculation.)
             return batch
         i = 0
+        ahead_steps = self.config.decode_steps - 1 if in_flight is None else 0
         # The hot loop of steady decode (hundreds of requests per step): kept to plain arithmetic.
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -128,14 +134,17 @@ class Scheduler:
             n = min(total - start, budget)
             if shift and n < total - start:
                 break  # a shifted step verifies all its drafts or waits
-            if not allocate(req.seq.table, start, start + n + shift, True):
+            look = self._lookahead(req, ahead_steps) if ahead_steps and n == 1 and start + 1 == total == known else 0
+            if look and not allocate(req.seq.table, start, start + 1 + look, True):
+                look = 0  # blocks for one step only: it decodes one token
+            if not look and not allocate(req.seq.table, start, start + n + shift, True):
                 if in_flight is not None:
                     return Batch()
                 if not self._preempt_until_fits(req, n, batch):
                     break  # req itself was preempted; everything after it was too
             if num_draft < 0:
                 num_draft = max(0, start + n - known - placeholder)
-            scheduled.append(ScheduledRequest(req, start, n, num_draft, start + n == total, placeholder, shift))
+            scheduled.append(ScheduledRequest(req, start, n, num_draft, start + n == total, placeholder, shift, look))
             budget -= n
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not batch.preempted:
@@ -163,6 +172,16 @@ class Scheduler:
             batch.scheduled.append(self._scheduled(req, n))
             budget -= n
         return batch
+
+    def _lookahead(self, req: Request, most: int) -> int:
+        """Positions past this decode step that a call may also decode for `req` (≤ most): a
+        plain greedy request (its next token the argmax, nothing else), within its max_tokens
+        and the context limit."""
+        p = req.params
+        if not p.greedy or p.has_penalties or p.logprobs is not None or req.grammar is not None:
+            return 0
+        return max(0, min(most, p.max_tokens - req.num_output_tokens - 1,
+                          self.config.max_model_len - len(req.token_ids) - 1))
 
     def _next_waiting(self) -> Request | None:
         """The oldest waiting request that can start: one whose grammar (structured outputs) is
@@ -258,6 +277,8 @@ class Scheduler:
             req.draft_token_ids = []
             req.draft_probs = None
             taken, reason = self._append(req, out.accepted)
+            if taken < len(out.accepted):  # the tokens after an ending one were computed, never kept
+                req.num_computed_tokens = min(req.num_computed_tokens, len(req.token_ids) - 1)
             if prefix is not None:
                 prefix.on_computed(req)
             delta = TokenDelta(req.request_id, out.accepted[:taken])

@@ -242,9 +242,6 @@ def _plain_greedy_on_host(pending: list, logits: torch.Tensor) -> bool:
     return True
 
 
-_PARALLEL_GREEDY_ROWS = 4  # rows from which the greedy pass spreads over the threads (a row ~8 us at V = 32k)
-
-
 def _greedy_on_host(pending: list, logits: torch.Tensor) -> DeviceSample:
     """The general path's DeviceSample for `_plain_greedy_on_host` steps in one numba pass per
     row (kernels/cpu_sampling.py: argmax and finiteness together), without gathering the rows.
@@ -253,7 +250,7 @@ def _greedy_on_host(pending: list, logits: torch.Tensor) -> DeviceSample:
     n = len(pending)
     rows = np.fromiter((p.logit_rows.stop - 1 for p in pending), np.int64, n)
     token, accepted, finite = np.empty((n, 1), np.int64), np.zeros(n, np.int64), np.empty(n, np.bool_)
-    greedy = cpu_sampling.greedy_rows_parallel if n >= _PARALLEL_GREEDY_ROWS else cpu_sampling.greedy_rows
+    greedy = cpu_sampling.greedy_rows_parallel if n >= cpu_sampling.PARALLEL_GREEDY_ROWS else cpu_sampling.greedy_rows
     greedy(logits.numpy(), rows, token.reshape(n), finite)
     return DeviceSample(torch.from_numpy(token), torch.from_numpy(accepted), torch.from_numpy(finite), None,
                         HostSample(token, accepted, finite, None, None, None, None))

@@ -70,6 +70,7 @@ def race_argmax(probs, log_u, out):
         out[r] = at
 
 
+PARALLEL_GREEDY_ROWS = 4     # rows from which a greedy pass spreads over the threads (a row ~8 us at V = 32k)
 _BLOCK = 256                 # greedy_rows' block: a vector max over it, then one block rescanned
 _EXPONENT = np.uint32(0x7F800000)
 

@@ -32,6 +32,7 @@ from kernels.cpu_indexer import _indexer_topk
 from kernels.cpu_mhc import _expand_kernel, _mix_kernel
 from kernels.cpu_norm_compress import _compressor_kernel, _norm_rope_kernel
 from kernels.cpu_numerics import F32
+from kernels.cpu_sampling import PARALLEL_GREEDY_ROWS, greedy_rows, greedy_rows_parallel
 from kernels.cpu_step_layout import (ATTN_NORM, ATTN_SCALE, BAD_KEYS, BAD_SLOT, BAD_TOKEN, BLOCK, C_APE, C_DIM,
                                      C_ENTRIES, C_EPS, C_NORM, C_OVERLAP, C_SPAN_SLOT, C_STATE, C_WIDTH, CHUNK,
                                      COMP_C_C, COMP_C_P, COMP_COS, COMP_SIN, COMP_Z_C, COMP_Z_P, EMBED, EPS, FFN_NORM,
@@ -259,11 +260,73 @@ def _step_tables(step, step_ratios, step_spans, batch, f2):
 
 @njit(cache=True, error_model="numpy")
 def run_step(layer, layer_f, step, step_f, step_ratios, step_spans, lin, grp, arrays, batch, streams_out, logits,
-             with_logits):
+             with_logits, steps, live, greedy):
     """The decode step: streams_out [T, n·D] (the final streams) and, with_logits, logits [T, V].
     batch: the DecodeBatch's views (token_ids, positions, start, full_table, sliding_table,
     sliding_first). arrays: the typed lists (f1, f2, f3, u2, u3, i2, h2, h3; kernels/cpu_step_layout.py).
-    Returns a status (kernels/cpu_step_layout.py)."""
+    Returns a status (kernels/cpu_step_layout.py).
+
+    steps ≥ 1 (q = 1 only): greedy decode of up to `steps` steps in this one call (`greedy_steps`);
+    steps = 0: one step, its logits for the caller to sample."""
+    if steps == 0:
+        return _forward(layer, layer_f, step, step_f, step_ratios, step_spans, lin, grp, arrays, batch, streams_out,
+                        logits, with_logits)
+    return greedy_steps(layer, layer_f, step, step_f, step_ratios, step_spans, lin, grp, arrays, batch, streams_out,
+                        logits, steps, live, greedy)
+
+
+@njit(cache=True, error_model="numpy")
+def greedy_steps(layer, layer_f, step, step_f, step_ratios, step_spans, lin, grp, arrays, batch, streams_out, logits,
+                 steps, live, greedy):
+    """Up to `steps` greedy decode steps of a q = 1 batch, each step's input token the argmax of
+    the step before, as that many calls with the host's argmax between them would run (the
+    same kernels on the same tables: the tokens and logits are theirs bit for bit).
+    greedy = (tokens [T, steps'] int64, finite [T] bool, stops [T, S] int64, done [1] int64):
+    tokens[r, k] is live row r's argmax at step k (kernels/cpu_sampling.py's: torch's first
+    maximum); finite[r] whether every logit it saw was finite; stops[r] token ids (−1 padding)
+    after which row r's request ends. The call stops after the first step in which a live row
+    produced a stop id or a non-finite logit, or after `steps`; done[0] = the steps run. Rows
+    ≥ live are padding: they keep their token and position. Between steps the batch's own
+    token ids, positions and starts move on (the caller's tables must reach start + steps)."""
+    tokens, finite, stops, done = greedy
+    token_ids, positions, start = batch[0], batch[1], batch[2]
+    done[0] = 0
+    finite[:live] = True
+    rows = np.arange(live)
+    token = np.empty(live, np.int64)
+    ok = np.empty(live, np.bool_)
+    for k in range(steps):
+        status = _forward(layer, layer_f, step, step_f, step_ratios, step_spans, lin, grp, arrays, batch, streams_out,
+                          logits, True)
+        if status != OK:
+            return status
+        if live >= PARALLEL_GREEDY_ROWS:
+            greedy_rows_parallel(logits, rows, token, ok)
+        else:
+            greedy_rows(logits, rows, token, ok)
+        done[0] = k + 1
+        ended = False
+        for r in range(live):
+            tokens[r, k] = token[r]
+            if not ok[r]:
+                finite[r] = False
+                ended = True
+            for s in range(stops.shape[1]):
+                ended |= stops[r, s] == token[r]
+        if ended:
+            break
+        if k + 1 < steps:
+            for r in range(live):
+                token_ids[r] = token[r]
+                positions[r] += 1
+                start[r] += 1
+    return OK
+
+
+@njit(cache=True, error_model="numpy")
+def _forward(layer, layer_f, step, step_f, step_ratios, step_spans, lin, grp, arrays, batch, streams_out, logits,
+             with_logits):
+    """One step: run_step's with steps = 0."""
     f1, f2 = arrays[0], arrays[1]
     (token_ids, positions, writes, window_slots, full_table, rows, completes, counts, ecos, esin,
      visible) = _step_tables(step, step_ratios, step_spans, batch, f2)

@@ -182,7 +182,7 @@ class StepProgram:
         if b * qn > MAX_ROWS or model.embed.dtype != torch.float32 or not model.embed.is_cpu:
             raise Unsupported("rows or dtype")
         arrays = self.arrays
-        self.rows, self.hc, self.hidden = b * qn, cfg.hc_mult, cfg.hidden_size
+        self.rows, self.q, self.hc, self.hidden = b * qn, qn, cfg.hc_mult, cfg.hidden_size
         layers = list(model.layers)
         ratios = sorted({cfg.compress_ratios[i] for i in range(len(layers)) if cfg.compress_ratios[i]}) or [1]
         spans: list[int] = []
@@ -211,6 +211,10 @@ class StepProgram:
         self._args = (self.layer, self.layer_f, self.step, self.step_f, self.step_ratios, self.step_spans,
                       self.lin_table, self.grp_table, arrays.lists, self.batch, self.streams.numpy(),
                       self.logits.numpy())
+        # greedy_steps' buffers: (tokens, finite, stops, done), placeholders when a run samples on the host
+        self._tokens = np.zeros((b * qn, 1), np.int64)
+        self._no_greedy = (self._tokens, np.zeros(b * qn, np.bool_), np.full((b * qn, 1), -1, np.int64),
+                           np.zeros(1, np.int64))
         return self
 
     def _block(self, row: list, row_f: list, block, cfg) -> None:
@@ -466,10 +470,27 @@ class StepProgram:
         """One step over the batch's current contents: (streams [T, n, D], logits [T, V] or None
         without them), the program's own buffers (valid until the next run)."""
         self.step[L.TORCH_THREADS], self.step[L.THREADS] = torch.get_num_threads(), numba.get_num_threads()
-        status = launch(self, self._args + (with_logits,))
+        status = launch(self, self._args + (with_logits, 0, 0, self._no_greedy))
         if status != L.OK:
             raise _error(status)
         return self.streams.view(self.rows, self.hc, self.hidden), self.logits if with_logits else None
+
+    def run_greedy(self, steps: int, live: int, stops: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Up to `steps` greedy decode steps of the batch's first `live` rows in one call
+        (kernels/cpu_step.greedy_steps; q = 1): (tokens [live, done] int64, finite [live] bool),
+        done ≥ 1 the steps it ran. stops [live, S] int64: each row's stop ids, −1 padding. The
+        batch's token ids, positions and starts are left where the last step put them."""
+        if self.q != 1 or not 1 <= steps or not 0 < live <= self.rows or stops.shape[0] != live:
+            raise ValueError("greedy steps run a q = 1 batch's live rows")
+        if self._tokens.shape[1] < steps:
+            self._tokens = np.zeros((self.rows, steps), np.int64)
+        self.step[L.TORCH_THREADS], self.step[L.THREADS] = torch.get_num_threads(), numba.get_num_threads()
+        finite, done = np.zeros(self.rows, np.bool_), np.zeros(1, np.int64)
+        stops = np.ascontiguousarray(stops, np.int64)
+        status = launch(self, self._args + (True, steps, live, (self._tokens, finite, stops, done)))
+        if status != L.OK:
+            raise _error(status)
+        return self._tokens[:live, : done[0]].copy(), finite[:live]
 
 
 def launch(program: StepProgram, args: tuple) -> int:

@@ -1,11 +1,15 @@
 """CPU decode step of one checkpoint: the decode paths and kernels side by side, in one run.
 
 Variants, each an Engine on the same loaded weights (batch B: B prompts of --prompt-len prefilled
-in one step, then --steps decode steps; ms per decode step, and ms for that prefill step):
-  default  the engine on CPU with exact fp32 matmuls: decode steps on the static shapes, each one
-           compiled call with the LM head inside (kernels/cpu_step.py) where it covers the shape
-           (fp32, raw KV, <= 16 rows), else the fused forward op by op; weights kept FP8/FP4 on the
-           fused row kernels
+in one step, then --steps decode steps; ms per decode step, a token per sequence, and ms for
+that prefill step):
+  default  the engine on CPU with exact fp32 matmuls: decode steps on the static shapes, compiled
+           calls with the LM head inside (kernels/cpu_step.py) where they cover the shape (fp32,
+           raw KV, <= 16 rows), else the fused forward op by op; these greedy requests run up to
+           --cpu-decode-steps (4) steps per call, the argmax inside it; weights kept FP8/FP4 on
+           the fused row kernels
+  one-step as default with one decode step per call (--cpu-decode-steps 1), the argmax on the host;
+           the variants below run one step per call too (scalar-argmax against this one)
   ops-step the static fused forward op by op (engine/v4/fused_decode.py with the numba kernels of
            kernels/cpu_decode.py; FusedDecoder.cpu_step off): the path before the compiled step
   ref-ops  as default, with kernels/cpu_decode.py's ops swapped for their torch references
@@ -22,7 +26,7 @@ in one step, then --steps decode steps; ms per decode step, and ms for that pref
   bf16-mm  as default with `--cpu-matmul-precision bf16` (kernels/cpu_precision.py): torch's fp32
            matmuls multiply bf16 operands with fp32 accumulation (oneDNN); what `ringserve serve`
            runs on a CPU with AMX
-  scalar-argmax  as default with a greedy step's argmax the previous scalar pass
+  scalar-argmax  as one-step with a greedy step's argmax the previous scalar pass
            (perf/bench_greedy.py's baseline) instead of kernels/cpu_sampling.py's block pass
 Rounds interleave the variants (default, ref-ops, …) so a busy neighbour slows them alike;
 medians over --rounds. Ratios are variant / default (> 1: the default is faster). Rows: wall ms
@@ -49,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import statistics
 import time
 from pathlib import Path
@@ -69,19 +74,28 @@ from kernels.cpu_precision import matmul_precision
 from perf.bench_quant_gemm import tiled
 from perf.machine import header, set_cpu_threads
 
-VARIANTS = ["default", "ops-step", "ref-ops", "per-seq", "tiled", "ops-moe", "generic", "bf16", "bf16-mm",
+VARIANTS = ["default", "one-step", "ops-step", "ref-ops", "per-seq", "tiled", "ops-moe", "generic", "bf16", "bf16-mm",
             "scalar-argmax"]
+# one decode step per engine step (--cpu-decode-steps 1): the op paths have no multi-step call, and
+# scalar-argmax swaps the host's argmax, which a multi-step call does not use
+ONE_STEP_VARIANTS = {"one-step", "ops-step", "ref-ops", "per-seq", "tiled", "ops-moe", "generic", "bf16-mm",
+                     "scalar-argmax"}
 
 
-def step_ms(model, batch: int, prompt_len: int, steps: int, static: bool = True,
+def step_ms(model, batch: int, prompt_len: int, steps: int, static: bool = True, decode_steps: int | None = None,
             on_decode=None) -> tuple[float, float, float]:
     """(wall ms per decode step, wall ms of the prefill step before them, this process's CPU ms per
-    decode step, the first decode step left out: one measurement. on_decode(engine, decode steps): called before (0) and after
-    the decode steps."""
-    engine = Engine(model, EngineConfig(max_num_seqs=batch, max_num_batched_tokens=batch * prompt_len,
-                                        num_kv_blocks=batch * (-(-(prompt_len + steps) // 256) + 2) + 4,
-                                        block_size=256, speculative_tokens=0,
-                                        max_model_len=prompt_len + steps + 8, static_decode=static))
+    decode step, the first engine step after the prefill left out: one measurement. A decode
+    step is one token per sequence, however many of them one engine step runs (the engine's
+    --cpu-decode-steps, `decode_steps`: None = its default). on_decode(engine, decode steps):
+    called before (0) and after the decode steps."""
+    config = EngineConfig(max_num_seqs=batch, max_num_batched_tokens=batch * prompt_len,
+                          num_kv_blocks=batch * (-(-(prompt_len + steps) // 256) + 2) + 4,
+                          block_size=256, speculative_tokens=0,
+                          max_model_len=prompt_len + steps + 8, static_decode=static)
+    if decode_steps is not None:
+        config = dataclasses.replace(config, cpu_decode_steps=decode_steps)
+    engine = Engine(model, config)
     g = torch.Generator().manual_seed(batch)
     for i in range(batch):
         prompt = torch.randint(3, model.cfg.vocab_size - 1, (prompt_len,), generator=g).tolist()
@@ -94,8 +108,7 @@ def step_ms(model, batch: int, prompt_len: int, steps: int, static: bool = True,
         on_decode(engine, 0)                                 # the prefill's share is not the decode's
     t0, c0, n = time.perf_counter(), time.process_time(), 0
     while engine.has_work:
-        engine.step()
-        n += 1
+        n += sum(len(d.token_ids) for d in engine.step().deltas if d.request_id == 0)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     if on_decode is not None:
         on_decode(engine, n)
@@ -153,7 +166,7 @@ def reference_ops():
 def run_variant(name: str, models: dict, batch: int, args) -> tuple[float, float, float]:
     def run() -> tuple[float, float, float]:
         return step_ms(models["bf16" if name == "bf16" else "auto"], batch, args.prompt_len, args.steps,
-                       static=name != "per-seq")
+                       static=name != "per-seq", decode_steps=1 if name in ONE_STEP_VARIANTS else None)
     if name == "ref-ops":
         with reference_ops(), switched(FusedDecoder, "cpu_step", False):
             return run()

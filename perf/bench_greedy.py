@@ -25,7 +25,7 @@ from numba import njit
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.step_sampling import _PARALLEL_GREEDY_ROWS  # noqa: E402
+from kernels.cpu_sampling import PARALLEL_GREEDY_ROWS  # noqa: E402
 from kernels import cpu_sampling  # noqa: E402
 from perf.machine import header, set_cpu_threads  # noqa: E402
 
@@ -70,7 +70,7 @@ def main() -> None:
     print(header("bench_greedy"), flush=True)
     set_cpu_threads(args.threads)
     print(f"# {args.threads} thread(s); medians of {args.repeats} calls, 3 interleaved rounds; current = "
-          f"greedy_rows (greedy_rows_parallel from {_PARALLEL_GREEDY_ROWS} rows, as the engine picks)")
+          f"greedy_rows (greedy_rows_parallel from {PARALLEL_GREEDY_ROWS} rows, as the engine picks)")
     print(f"{'vocab':>7s} {'rows':>4s} {'logits':>8s} {'previous us':>12s} {'current us':>11s} {'prev/cur':>9s}  agree")
     g = torch.Generator().manual_seed(0)
     for vocab in args.vocab:
@@ -82,7 +82,7 @@ def main() -> None:
                     logits[::2, vocab // 3] = float("nan")
                 x, rows = logits.numpy(), np.arange(m, dtype=np.int64)
                 outs = [(np.empty(m, np.int64), np.empty(m, np.bool_)) for _ in range(2)]
-                current = (cpu_sampling.greedy_rows_parallel if m >= _PARALLEL_GREEDY_ROWS
+                current = (cpu_sampling.greedy_rows_parallel if m >= PARALLEL_GREEDY_ROWS
                            else cpu_sampling.greedy_rows)
                 times: list[list[float]] = [[], []]
                 for _ in range(3):

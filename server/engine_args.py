@@ -45,6 +45,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--async-scheduling", action="store_true",
                    help="schedule and launch decode step t+1 before reading step t back, so host work overlaps "
                         "the device (vLLM's flag; ignored with speculation, PD roles and expert parallelism)")
+    p.add_argument("--cpu-decode-steps", type=int, default=4, metavar="N",
+                   help="CPU: greedy decode steps one compiled call may run (each token the argmax of the step "
+                        "before; stops at a request's stop ids), so the engine's per-step Python is paid once "
+                        "per N tokens; streams then get up to N tokens at a time. 1 = a call per step "
+                        "(default 4; plain greedy requests without speculation or async scheduling)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="never capture CUDA graphs: decode steps run the per-sequence eager path")
     p.add_argument("--kv-cache-memory", type=float, default=2.0, help="GiB for the KV pools")
@@ -118,6 +123,7 @@ def engine_config_from(args: argparse.Namespace):
                         cuda_graph_sizes=tuple(args.cuda_graph_sizes or ()),
                         enforce_eager=args.enforce_eager, adaptive_speculation=args.adaptive_speculation,
                         async_scheduling=getattr(args, "async_scheduling", False),
+                        cpu_decode_steps=getattr(args, "cpu_decode_steps", 4),
                         kv_cache_memory_bytes=int(args.kv_cache_memory * 2**30), block_size=args.block_size,
                         decoder_tail=args.decoder_tail,
                         enable_prefix_caching=getattr(args, "enable_prefix_caching", True),

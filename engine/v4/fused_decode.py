@@ -126,6 +126,12 @@ class FusedDecoder:
         streams = self.forward(batch)
         return streams, self.model.logits(streams)
 
+    def greedy_steps(self, batch: DecodeBatch, steps: int, live: int, stops):
+        """Up to `steps` greedy decode steps in one compiled call (StepProgram.run_greedy), or
+        None where no compiled step covers the batch."""
+        program = self.program(batch)
+        return program.run_greedy(steps, live, stops) if program is not None and program.q == 1 else None
+
     def program(self, batch: DecodeBatch) -> StepProgram | None:
         """The compiled CPU step of batch's shape at the current numba thread count (built on
         first use, rebuilt when a weight or pool it views was replaced), or None: the op path

@@ -145,8 +145,10 @@ def models(checkpoint_factory):
 
 
 def _engine(model, seqs: int, **kw) -> Engine:
+    # one step per call: these tests compare each step with the op path's (tests/kernels/
+    # test_cpu_greedy_steps.py runs several greedy steps per call)
     args = dict(max_num_seqs=seqs, max_num_batched_tokens=512, kv_cache_memory_bytes=8 << 20, block_size=16,
-                cuda_graph_sizes=(1, 2, 4, 8, 16), static_decode=True, max_model_len=256)
+                cuda_graph_sizes=(1, 2, 4, 8, 16), static_decode=True, max_model_len=256, cpu_decode_steps=1)
     args.update(kw)
     return Engine(model, EngineConfig(**args))
 

@@ -188,7 +188,7 @@ def test_later_runs_skip_the_dispatcher(models, monkeypatch):
         assert not via_dispatcher
         assert torch.equal(again.view(torch.int32), streams.view(torch.int32))
         monkeypatch.undo()
-        assert cpu_step_plan.run_step(*program._args, True) == 0       # the dispatcher on the same batch
+        assert cpu_step_plan.run_step(*program._args, True, 0, 0, program._no_greedy) == 0      # the dispatcher on the same batch
         assert torch.equal(program.streams.view_as(streams), streams) and torch.equal(program.logits, logits)
 
 
