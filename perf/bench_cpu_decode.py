@@ -35,8 +35,8 @@ without the waits for a core, the figure to compare on a machine others share). 
 compute dtype (fp32: what `ringserve serve` runs on CPU).
 
 Then, per batch, where the default decode step goes (medians of --rounds runs), in wall and in this process's CPU milliseconds per step: the engine's
-decode step; the model's static replay (forward and logits, StaticDecodeBackend.replay); the time
-inside the compiled call (`run_step`) and its share of the step (the rest is Python and dispatch:
+decode step; the model's static replay (forward and logits, StaticDecodeBackend.replay, or
+run_greedy for multi-step calls); the time inside the compiled call (`run_step`) and its share of the step (the rest is Python and dispatch:
 the engine's scheduling, sampling and output, and the op calls around the compiled step). CPU
 time leaves out the waits for a core when other work shares the machine, so at --threads 1 its
 share is the robust one (with more threads it also counts the helpers' spinning). And the
@@ -220,13 +220,15 @@ class StepClock:
 
     @contextlib.contextmanager
     def installed(self):
-        real_run, real_replay = cpu_step_plan.launch, StaticDecodeBackend.replay
+        real_run, real_replay, real_greedy = cpu_step_plan.launch, StaticDecodeBackend.replay, StaticDecodeBackend.run_greedy
         cpu_step_plan.launch = self._timed(real_run, self.kernel)
         StaticDecodeBackend.replay = self._timed(real_replay, self.model)
+        StaticDecodeBackend.run_greedy = self._timed(real_greedy, self.model)
         try:
             yield self
         finally:
             cpu_step_plan.launch, StaticDecodeBackend.replay = real_run, real_replay
+            StaticDecodeBackend.run_greedy = real_greedy
 
     def on_decode(self, engine, steps: int) -> None:
         if steps == 0:                                   # the decode loop starts: the prefill's time is not its
@@ -310,7 +312,7 @@ def main() -> None:
     parser.add_argument("--model-dir", type=Path, required=True)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
@@ -345,7 +347,7 @@ def main() -> None:
     print(f"# where the decode step goes (ms per step, medians of {args.rounds}): wall, then this process's CPU "
           f"time (the robust figures on shared cores); kernels = inside the compiled call (run_step), share = "
           f"kernels / step, the rest Python and dispatch (engine, sampling, ops around the call); model = the "
-          f"static replay (forward + logits). Roofline: the weight MB a step must read, the rate the call reads "
+          f"static replay (forward + logits; a multi-step call's steps). Roofline: the weight MB a step must read, the rate the call reads "
           f"them at (CPU time), and their time at this thread's read rate: {dram:.1f} GB/s from a 512 MiB array "
           f"(DRAM), {l3:.1f} GB/s from 16 MiB (L3); roof = ms@16MiB / kernels cpu")
     print(f"{'variant':>8s} {'batch':>5s} {'step':>8s} {'kernels':>8s} {'share':>7s} {'step cpu':>8s} {'model cpu':>8s} "
