@@ -8,20 +8,11 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
 
-from engine.weights import load_model
 from ipc.messages import SamplingParams
 from kernels.cpu_step_plan import StepProgram
 from tests.kernels.test_cpu_step import _engine, _prompts
-
-
-@pytest.fixture(scope="module")
-def models(checkpoint_factory):
-    bf16 = checkpoint_factory("tiny-bf16-topk2", dtype=torch.bfloat16, index_topk=2)
-    quant = checkpoint_factory("tiny-fp8-fp4", dtype=torch.bfloat16, quantize="fp8-fp4", index_topk=64)
-    return {"bf16": load_model(bf16, dtype=torch.float32, progress=False),
-            "fp8-fp4": load_model(quant, dtype=torch.float32, progress=False)}
+from tests.kernels.test_cpu_step_engine import models  # noqa: F401  (the fixture: bf16 and FP8/FP4 tiny models)
 
 
 def _run(engine, prompts, params: list[SamplingParams]) -> tuple[dict[int, list[int]], dict[int, str]]:
