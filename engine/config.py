@@ -285,7 +285,8 @@ class EngineConfig:
     # steps per schedule: the engine's Python per step is paid once per call. Plain greedy
     # requests only (no penalties, logprobs or grammar), without speculation or async
     # scheduling; the call stops at a request's stop id, so output is unchanged, and a stream
-    # gets up to this many tokens at a time. 1 = one step per call.
+    # gets up to this many tokens at a time. A call runs as many as fit ~20 ms (engine/engine.py
+    # CALL_BUDGET_S: arrivals wait for it). 1 = one step per call.
     cpu_decode_steps: int = 4
     seed: int = 0
     # --- PD disaggregation (engine/kv_connector.py): this engine's KV role and transport ---

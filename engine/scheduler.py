@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ipc.messages import Finished, PromptLogprobs, TokenDelta
 
@@ -58,6 +58,14 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[int, Request] = {}
         self.num_preemptions = 0
+        # Of config.decode_steps, how many the next call may run (the engine paces it by the
+        # steps' time: Engine._pace_decode_steps).
+        self.steps_per_call = config.decode_steps
+
+    def allow_decode_steps(self, steps: int) -> None:
+        """Let plain greedy decodes run up to `steps` steps per call (config.decode_steps)."""
+        self.config = replace(self.config, decode_steps=steps)
+        self.steps_per_call = steps
 
     # ---- admission -------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -108,7 +116,7 @@ class Scheduler:
             # nothing, and admission goes on as without speculation.)
             return batch
         i = 0
-        ahead_steps = self.config.decode_steps - 1 if in_flight is None else 0
+        ahead_steps = self.steps_per_call - 1 if in_flight is None else 0
         # The hot loop of steady decode (hundreds of requests per step): kept to plain arithmetic.
         while i < len(self.running) and budget > 0:
             req = self.running[i]

@@ -17,7 +17,7 @@ import gc
 import logging
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable
 
 import numba
@@ -48,7 +48,7 @@ class Worker:
         self.emit = emit
         self.lockstep = lockstep  # the expert-parallel group's agreement, or None (an independent rank)
         if lockstep is not None:  # every rank runs one forward per step: no multi-step calls, no lookahead blocks
-            engine.scheduler.config = replace(engine.scheduler.config, decode_steps=1)
+            engine.scheduler.allow_decode_steps(1)
         self.stats = WorkerStats()
         self._commands: deque[tuple] = deque()
         # Aborts of ids this worker has not seen: aborts travel on their own ring, so one can

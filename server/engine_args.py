@@ -48,8 +48,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-decode-steps", type=int, default=4, metavar="N",
                    help="CPU: greedy decode steps one compiled call may run (each token the argmax of the step "
                         "before; stops at a request's stop ids), so the engine's per-step Python is paid once "
-                        "per N tokens; streams then get up to N tokens at a time. 1 = a call per step "
-                        "(default 4; plain greedy requests without speculation or async scheduling)")
+                        "per N tokens; streams then get up to N tokens at a time, and a call runs as many as fit "
+                        "~20 ms. 1 = a call per step (default 4; plain greedy requests without speculation or "
+                        "async scheduling)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="never capture CUDA graphs: decode steps run the per-sequence eager path")
     p.add_argument("--kv-cache-memory", type=float, default=2.0, help="GiB for the KV pools")

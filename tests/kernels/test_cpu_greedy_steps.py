@@ -9,6 +9,8 @@ import dataclasses
 
 import pytest
 
+import engine.engine as engine_module
+from engine.engine import steps_within_budget
 from ipc.messages import SamplingParams
 from kernels.cpu_step_plan import StepProgram
 from tests.kernels.test_cpu_step import _engine, _prompts
@@ -137,3 +139,23 @@ def test_lookahead_only_for_plain_greedy_decodes(models):
         table, block = s.request.seq.table, engine.cache.layout.block_size
         assert len(table.full) * block >= s.max_end
     engine.scheduler.update(decode, engine.runner.execute(decode, 0))
+
+
+def test_calls_run_as_many_steps_as_fit_the_budget(models, monkeypatch):
+    """steps_within_budget: four steps of ≤ 5 ms fit a call, two of 10 ms, one of more; the
+    engine paces its scheduler by the last decode step's time per token, so with a budget no
+    step fits it runs one step per call after its first decode, with a budget every step fits
+    four, and the tokens are the one-step run's either way."""
+    assert [steps_within_budget(s, 4) for s in (0.0005, 0.005, 0.0066, 0.01, 0.011, 0.05)] == [4, 4, 3, 2, 1, 1]
+    assert steps_within_budget(0.001, 1) == 1 and steps_within_budget(0.0, 8) == 8
+    model = models["bf16"]
+    prompts = _prompts(3, model.cfg.vocab_size, 4)
+    params = [SamplingParams(max_tokens=14, ignore_eos=True)] * 3
+    reference, _, one_steps, _ = _both(model, prompts, params, 1)[0]
+    for budget, per_call, steps in ((1e-6, 1, one_steps - 3), (60.0, 4, 5)):
+        monkeypatch.setattr(engine_module, "CALL_BUDGET_S", budget)
+        engine = _engine(model, 3, cpu_decode_steps=4)
+        tokens, _ = _run(engine, prompts, params)
+        assert tokens == reference
+        assert engine.scheduler.steps_per_call == per_call
+        assert engine.stats.steps == steps     # the prefill, then 13 tokens: one call of 4 first, then 1s or 4s
