@@ -83,7 +83,8 @@ class Engine:
             sizes = static_batch_sizes(config, model.device)
             self.static = StaticDecodeBackend(model, self.cache, sizes, depths, max_len,
                                               capture=model.device.type == "cuda" and not config.enforce_eager,
-                                              draft_steps=k > 0, decode_steps=config.cpu_decode_steps)
+                                              draft_steps=k > 0,
+                                              decode_steps=config.cpu_decode_steps if model.device.type == "cpu" else 1)
             if self.static.capture:
                 _check_capturable_dispatch(model)
             self.static.capture_all()

@@ -130,7 +130,7 @@ class FusedDecoder:
         """Up to `steps` greedy decode steps in one compiled call (StepProgram.run_greedy), or
         None where no compiled step covers the batch."""
         program = self.program(batch)
-        return program.run_greedy(steps, live, stops) if program is not None and program.q == 1 else None
+        return program.run_greedy(steps, live, stops) if program is not None else None
 
     def program(self, batch: DecodeBatch) -> StepProgram | None:
         """The compiled CPU step of batch's shape at the current numba thread count (built on
