@@ -11,6 +11,10 @@ importing torch; `CUDA_VISIBLE_DEVICES` is set before torch initialises CUDA, so
 sees exactly its own GPU (as cuda:0). The CPU thread budget (`--threads-per-worker`) is set for
 numba as well as torch, also before the import: numba's OpenMP pool otherwise starts with one
 thread per core on its first parallel kernel and resets torch's count to match.
+
+A CPU worker starts with glibc's malloc asked to back its large blocks with transparent huge
+pages (`worker_env`): a prefill allocates and frees hundreds of MB of activations per step, which
+glibc hands back to the kernel and takes again, one 4 KiB page fault at a time.
 """
 
 from __future__ import annotations
@@ -40,12 +44,33 @@ class WorkerArgs(msgspec.Struct, frozen=True):
     generation: str = ""
 
 
+# glibc (2.35+) tunable: malloc madvises its mmapped blocks and heap growth MADV_HUGEPAGE, so
+# they fault in 2 MiB at a time where transparent huge pages are `madvise` or `always`. On a
+# 2-core Xeon (AMX), 16 x 128-token prefills of wide-fp8 took ~1 M page faults and ~2 s of system
+# time a step without it; perf/bench_worker_malloc.py runs both side by side. Other C libraries
+# ignore the variable; an operator's own setting of this tunable wins.
+HUGE_PAGE_TUNABLE = ("glibc.malloc.hugetlb", "1")
+
+
+def worker_env(device: str, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment a worker starts with: `base` (default: this process's) plus, for a CPU
+    worker, HUGE_PAGE_TUNABLE in GLIBC_TUNABLES unless that tunable is already set there."""
+    env = dict(os.environ if base is None else base)
+    if device != "cpu":
+        return env
+    name, value = HUGE_PAGE_TUNABLE
+    tunables = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t]
+    if not any(t.split("=", 1)[0] == name for t in tunables):
+        env["GLIBC_TUNABLES"] = ":".join([*tunables, f"{name}={value}"])
+    return env
+
+
 class WorkerProcess:
     """One started worker: its pid, a pollable exit fd (`sentinel`) and the usual controls."""
 
     def __init__(self, args: WorkerArgs, env: dict[str, str] | None = None):
         cmd = [sys.executable, "-m", "server.worker_entry", msgspec.json.encode(args).decode()]
-        self._popen = subprocess.Popen(cmd, env=env, close_fds=True)
+        self._popen = subprocess.Popen(cmd, env=worker_env(args.device, env), close_fds=True)
         self.pid = self._popen.pid
         self.sentinel = os.pidfd_open(self.pid)  # readable once the child exits
 
