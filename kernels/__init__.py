@@ -17,7 +17,11 @@ from __future__ import annotations
 
 import functools
 
-import torch
+from kernels import cpu_target
+
+cpu_target.configure()  # the CPU kernels' vector width, before any of them compiles (kernels/cpu_target.py)
+
+import torch  # noqa: E402
 
 from kernels import cpu_gemv, cpu_kv, cpu_prepared_gemm, cpu_quant_gemm, cpu_routing
 from kernels.devices import backend, decode_backend
