@@ -46,9 +46,9 @@ class WorkerArgs(msgspec.Struct, frozen=True):
 
 # glibc (2.35+) tunable: malloc madvises its mmapped blocks and heap growth MADV_HUGEPAGE, so
 # they fault in 2 MiB at a time where transparent huge pages are `madvise` or `always`. On a
-# 2-core Xeon (AMX), 16 x 128-token prefills of wide-fp8 took ~1 M page faults and ~2 s of system
-# time a step without it; perf/bench_worker_malloc.py runs both side by side. Other C libraries
-# ignore the variable; an operator's own setting of this tunable wins.
+# 2-core Xeon (AMX) a 16 x 128-token prefill of wide-fp8 took ~0.8 M page faults and ~1.5 s of
+# system time without it, 1.48x as long as with it (perf/bench_worker_malloc.py runs both side by
+# side). Other C libraries ignore the variable; an operator's own setting of this tunable wins.
 HUGE_PAGE_TUNABLE = ("glibc.malloc.hugetlb", "1")
 
 
