@@ -50,7 +50,11 @@ def configure() -> str | None:
     if chosen is None:
         import llvmlite.binding as llvm
 
-        chosen = wide_vector_features(llvm.get_host_cpu_features().flatten())
+        try:
+            host = llvm.get_host_cpu_features().flatten()
+        except RuntimeError:                                # LLVM cannot read this host's features
+            return None
+        chosen = wide_vector_features(host)
         if chosen is None:
             return None
         os.environ[FEATURES_ENV] = chosen
