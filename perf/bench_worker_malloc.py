@@ -17,6 +17,7 @@ parent prints the medians over --rounds children of each kind and the ratios 4 K
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -28,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from perf.machine import header  # noqa: E402
-from server.worker_entry import HUGE_PAGE_TUNABLE, worker_env  # noqa: E402
+from server.worker_entry import HUGE_PAGE_TUNABLE, transparent_huge_pages_mode, worker_env  # noqa: E402
 
 
 def child(a: argparse.Namespace) -> None:
@@ -52,7 +53,7 @@ def child(a: argparse.Namespace) -> None:
     engine = Engine(load_model(a.model_dir, dtype=torch.float32, progress=False), EngineConfig())
     vocab = engine.model.cfg.vocab_size
     g = torch.Generator().manual_seed(0)
-    counter = iter(range(1 << 30))
+    counter = itertools.count()
 
     def run(prompts: int, out: int) -> list[float]:
         """Seconds to the first token, then seconds a token after it."""
@@ -100,19 +101,17 @@ def main() -> None:
     if a.child:
         child(a)
         return
-    name = HUGE_PAGE_TUNABLE[0]
+    print(header("bench_worker_malloc"))
     base = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
     envs = {"4 KiB": base, "THP": worker_env("cpu", base)}
     results: dict[str, list[dict]] = {k: [] for k in envs}
     for _ in range(a.rounds):                           # alternated: drifts in the machine hit both
         for kind, env in envs.items():
             results[kind].append(measure(a, env))
-    print(header("bench_worker_malloc"))
-    thp = open("/sys/kernel/mm/transparent_hugepage/enabled").read().strip() if os.path.exists(
-        "/sys/kernel/mm/transparent_hugepage/enabled") else "n/a"
     print(f"# {a.model_dir}; {a.threads} thread(s); prefill {a.batch} x {a.prompt_len} tokens (median of {a.prefills}), "
-          f"batch-1 decode of {a.decode} tokens; medians of {a.rounds} alternating children; THP: {thp}; "
-          f"THP = GLIBC_TUNABLES={envs['THP']['GLIBC_TUNABLES']} ({name})")
+          f"batch-1 decode of {a.decode} tokens; medians of {a.rounds} alternating children; THP mode "
+          f"{transparent_huge_pages_mode()}; THP = GLIBC_TUNABLES={envs['THP']['GLIBC_TUNABLES']} "
+          f"({HUGE_PAGE_TUNABLE[0]})")
     print(f"{'malloc':>8} {'prefill ms':>11} {'faults/prefill':>15} {'sys s/prefill':>14} {'decode ms/tok':>14}")
     med = {k: {f: statistics.median(r[f] for r in rs) for f in rs[0]} for k, rs in results.items()}
     for kind, m in med.items():

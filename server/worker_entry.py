@@ -52,6 +52,20 @@ class WorkerArgs(msgspec.Struct, frozen=True):
 HUGE_PAGE_TUNABLE = ("glibc.malloc.hugetlb", "1")
 
 
+THP_MODE_FILE = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def transparent_huge_pages_mode() -> str:
+    """The kernel's THP mode (`always`, `madvise`, `never`), or `absent` where it has none; the
+    tunable changes anything only under `madvise` (under `always` every block is huge already)."""
+    try:
+        with open(THP_MODE_FILE) as f:
+            text = f.read()
+    except OSError:
+        return "absent"
+    return text[text.index("[") + 1:text.index("]")]
+
+
 def worker_env(device: str, base: dict[str, str] | None = None) -> dict[str, str]:
     """The environment a worker starts with: `base` (default: this process's) plus, for a CPU
     worker, HUGE_PAGE_TUNABLE in GLIBC_TUNABLES unless that tunable is already set there."""

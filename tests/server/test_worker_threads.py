@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from server.worker_entry import transparent_huge_pages_mode
+
 # The order server.worker_entry.main follows: pin, then import the engine's kernels (numba with
 # them), then torch.set_num_threads as engine.worker_process does; then one parallel numba kernel
 # (a small one of its own: compiling one of the engine's would take longer than the test).
@@ -83,15 +85,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
-def _thp_mode() -> str:
-    try:
-        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
-    except OSError:
-        return "absent"
-    return text[text.index("[") + 1:text.index("]")]
-
-
-@pytest.mark.skipif(_thp_mode() != "madvise", reason="the tunable only changes anything where THP is `madvise`")
+@pytest.mark.skipif(transparent_huge_pages_mode() != "madvise", reason="the tunable only changes anything where THP is `madvise`")
 def test_the_huge_page_tunable_cuts_a_workers_page_faults():
     """What the worker's environment does, seen by the kernel: a fresh 64 MiB block faults in
     16384 pages of 4 KiB without the tunable, far fewer (2 MiB pages) with it (glibc 2.35+)."""
