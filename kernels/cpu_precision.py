@@ -99,10 +99,15 @@ _BF16 = _Bf16Operands()
 _EXACT = contextlib.nullcontext()
 
 
+def takes_bf16(macs: int) -> bool:
+    """Whether a product of `macs` multiply-adds (M·K·N) gets bf16 operands in this process."""
+    return _bf16_allowed and macs >= BF16_MIN_MACS
+
+
 def bf16_operands(macs: int):
     """The block for one fp32 product of `macs` multiply-adds (M·K·N): bf16 operands where this
     process allows them and the product is large enough to gain, else a no-op."""
-    return _BF16 if _bf16_allowed and macs >= BF16_MIN_MACS else _EXACT
+    return _BF16 if takes_bf16(macs) else _EXACT
 
 
 @contextlib.contextmanager

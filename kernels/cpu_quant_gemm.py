@@ -14,7 +14,8 @@ Two paths, chosen by the number of activation rows M (per expert for the grouped
   activation rows, whose even and odd columns are split once per call.
 * larger M (prefill): the tiled path below, where torch's sgemm does the arithmetic.
 
-On the tiled path the weight is walked in N-tiles of about ``TILE_BYTES`` of fp32: numba decodes one tile's codes
+On the tiled path the weight is walked in N-tiles of about ``TILE_BYTES`` of fp32 (``BF16_TILE_BYTES`` where the
+product takes bf16 operands, kernels/cpu_precision.py): numba decodes one tile's codes
 and scales into a reused buffer (e4m3 decoded through half bits, e2m1 by a 16-entry table,
 times the block scale: exactly the reference's fp32 values, NaN and subnormals included), then one torch ``mm`` multiplies it
 into the matching columns of the fp32 output. Peak extra memory is one tile plus the fp32
@@ -34,12 +35,19 @@ from numba import get_num_threads, njit, prange, types
 from numba.extending import overload
 
 from kernels import checks, cpu_gemv
-from kernels.cpu_precision import bf16_operands
+from kernels.cpu_precision import bf16_operands, takes_bf16
 from kernels.cpu_numerics import (F32, U8, U16, U32, U64, amax_key, bits_f32, borrow, clamp_inf, e4m3_code,
                                   e4m3_half_bits, f32_bits, half_value, pow2, ue8m0_exponent, ue8m0_value)
 from kernels.reference import ACT_GROUP, E2M1_VALUES, FP4_GROUP
 
 TILE_BYTES = 1 << 21     # fp32 weight tile per mm: about a core's L2 (larger tiles help large M)
+# The tile where its product takes bf16 operands (kernels/cpu_precision.py): oneDNN then converts
+# both operands on every call, the activation once per tile, so fewer, larger tiles pay. On a
+# 2-core Xeon with AMX (Emerald Rapids, 2 threads, perf/bench_tile_size.py) 8 MiB tiles ran the
+# tiny V4s' FP8 projections at 16-2048 rows 0.98-1.43x as fast as 2 MiB ones (1.2-1.43x on the
+# 128-row products of K >= 768), 32 MiB no faster; with exact fp32 operands the same change
+# was mixed (0.68-1.39x at 16 rows, 0.97-1.17x beyond), so TILE_BYTES stays for those.
+BF16_TILE_BYTES = 1 << 23
 # Activation rows (per expert for the grouped ops) up to which the fused row kernels beat tile
 # decode + sgemm (perf/bench_quant_gemm.py prints both paths per M). FP8: on a 2-core Xeon they
 # won at M <= 4 (1.1-3x) and lost at 16 (0.6x); on an AMD EPYC (Zen 4) 1.9-2.8x at 8, even at
@@ -433,7 +441,7 @@ def _tiled_mm(a: torch.Tensor, n: int, row_align: int, dequant: Callable[[int, i
     result needs no transposing copy (that copy took ~7% of a 2048-token prefill)."""
     m, k = a.shape
     out = torch.empty(m, n)                                 # [M, N]
-    rows = max(row_align, TILE_BYTES // (4 * max(k, 1)) // row_align * row_align)
+    rows = _tile_rows(m, n, k, row_align)
     buf = torch.empty(min(rows, n), k)                      # [rows, K]
     with bf16_operands(m * k * min(rows, n)):               # kernels/cpu_precision.py: one tile's product
         for n0 in range(0, n, rows):
@@ -442,6 +450,15 @@ def _tiled_mm(a: torch.Tensor, n: int, row_align: int, dequant: Callable[[int, i
             dequant(n0, n1, tile.numpy())
             torch.mm(a, tile.T, out=out[:, n0:n1])
     return out
+
+
+def _tile_rows(m: int, n: int, k: int, row_align: int) -> int:
+    """Weight rows per tile of an [M, K] @ [N, K]^T tiled product: a multiple of row_align about
+    BF16_TILE_BYTES of fp32 where that tile's product takes bf16 operands, else TILE_BYTES."""
+    def rows_in(tile_bytes: int) -> int:
+        return max(row_align, tile_bytes // (4 * max(k, 1)) // row_align * row_align)
+    large = rows_in(BF16_TILE_BYTES)
+    return large if takes_bf16(m * k * min(large, n)) else rows_in(TILE_BYTES)
 
 
 def _fp8_mm(a: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:

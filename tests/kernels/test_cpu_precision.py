@@ -91,12 +91,20 @@ def _torch_rounds_operands(m: int, k: int, n: int) -> bool:
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_tiled_fp8_gemm_under_each_precision(precision, monkeypatch):
     monkeypatch.setattr(cpu_quant_gemm, "GEMV_MAX_ROWS", 0)          # the tiled path (tile decode + mm)
+    # Several tiles each way, the last one partial: 128 of the 512 weight rows a tile with exact
+    # operands, 384 with bf16 ones (96·256·384 = 9.4 M multiply-adds a tile, past BF16_MIN_MACS).
+    monkeypatch.setattr(cpu_quant_gemm, "TILE_BYTES", 4 * 256 * 128)
+    monkeypatch.setattr(cpu_quant_gemm, "BF16_TILE_BYTES", 4 * 256 * 384)
     g = torch.Generator().manual_seed(3)
     weight, scale = fp8_weight((512, 256), (128, 128), g)
     x = activations(96, 256, g)                                     # 96·256·512 = 12.6 M multiply-adds
+    tiles = []
+    real_mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda a, b, **kw: tiles.append(b.shape[1]) or real_mm(a, b, **kw))
     w = dequantize_fp8(weight, scale).double()                      # exact: e4m3 times a power of two
     with cpu_precision.matmul_precision(precision):
         out = kernels.fp8_linear(x, weight, scale).double()        # [96, 512]
+    assert tiles == ([128] * 4 if precision == "fp32" else [384, 128])
     magnitude = x.double().abs() @ w.abs().T                        # the scale of each sum's rounding
     exact = x.double() @ w.T
     bf16_operands = x.bfloat16().double() @ w.T                     # w is exact in bf16 as well
@@ -106,6 +114,22 @@ def test_tiled_fp8_gemm_under_each_precision(precision, monkeypatch):
     else:
         assert bool(((out - bf16_operands).abs() <= fp32_bound).all())
         assert float(((out - exact).abs() / magnitude).max()) > 1e-4  # bf16 rounding, not fp32's
+
+
+def test_only_products_with_bf16_operands_take_the_larger_tile(monkeypatch):
+    """The tiled path's tile: BF16_TILE_BYTES of fp32 where that tile's product takes bf16
+    operands (this process allows them and it is large enough), else TILE_BYTES."""
+    n, k = 4096, 256
+    monkeypatch.setattr(cpu_quant_gemm, "TILE_BYTES", 4 * k * 128)         # 128 rows
+    monkeypatch.setattr(cpu_quant_gemm, "BF16_TILE_BYTES", 4 * k * 1024)   # 1024 rows
+    large_m = -(-cpu_precision.BF16_MIN_MACS // (k * 1024))              # a 1024-row tile just reaches it
+    with cpu_precision.matmul_precision("fp32"):
+        assert cpu_quant_gemm._tile_rows(large_m, n, k, 128) == 128
+    with cpu_precision.matmul_precision("bf16"):
+        assert cpu_quant_gemm._tile_rows(large_m, n, k, 128) == 1024
+        assert cpu_quant_gemm._tile_rows(large_m - 1, n, k, 128) == 128  # too small a product
+        assert cpu_quant_gemm._tile_rows(large_m, 100, k, 128) == 128    # N caps the tile's product
+        assert cpu_quant_gemm._tile_rows(large_m, n, 3000, 128) == 128   # rows stay a multiple of the block
 
 
 def _prefill_logits(model, tokens: list[int]) -> torch.Tensor:
