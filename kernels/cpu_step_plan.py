@@ -45,6 +45,14 @@ MAX_ROWS = 16
 # 16 rows the shared expert's [256, 1024] FP8 product is 4 M multiply-adds: counted by bytes
 # alone it ran on one thread while the other waited.)
 PARALLEL_BYTES = 384 << 10
+# A product whose weight alone is this large runs its parallel kernel at any row count: a decode
+# step at batch 1 reads each weight once from memory, at about twice one thread's rate on two.
+# On a 2-core Xeon (Emerald Rapids, 2 threads, perf/bench_cpu_decode.py) moving the weights of
+# 96-384 KiB (a small model's attention projections and routed experts) onto both threads took
+# the batch-1 step of the tiny V4s of hidden 256-512 from 1.78 to 1.32 ms (issue41), 2.46 to
+# 1.91 (hidden 512, vocabulary 32k) and 1.56 to 1.27 (hidden 384); wider ones moved within
+# their noise. Every product past 16 KiB (PARALLEL_BYTES / 16 rows at batch 16) already split.
+PARALLEL_WEIGHT_BYTES = 96 << 10
 _KINDS = {"dense": DENSE, "fp8": FP8, "fp4": FP4}
 _X_MEMBERS = {"q_lora": (L.Q_LORA_P, L.Q_LORA_C), "kv": (L.KV_P, L.KV_C), "comp_c": (L.COMP_C_P, L.COMP_C_C),
               "comp_z": (L.COMP_Z_P, L.COMP_Z_C), "idx_c": (L.IDX_C_P, L.IDX_C_C), "idx_z": (L.IDX_Z_P, L.IDX_Z_C),
@@ -230,8 +238,10 @@ class StepProgram:
     # ---- products --------------------------------------------------------------------------------
     def _per(self, rows: int, weight_bytes: int, act_rows: int) -> int:
         """0 (this thread) or the parallel kernel's weight rows a task, for `rows` weight rows of
-        `weight_bytes` each met by about `act_rows` activation rows."""
-        if numba.get_num_threads() == 1 or weight_bytes * act_rows < PARALLEL_BYTES:
+        `weight_bytes` in all, each met by about `act_rows` activation rows."""
+        if numba.get_num_threads() == 1:
+            return 0
+        if weight_bytes * act_rows < PARALLEL_BYTES and weight_bytes < PARALLEL_WEIGHT_BYTES:
             return 0
         return q._rows_per_task(rows)
 

@@ -20,6 +20,7 @@ from engine.engine import Engine
 from engine.v4.fused_decode import FusedDecoder
 from engine.weights import load_model
 from ipc.messages import SamplingParams
+from kernels import cpu_step_plan as plan
 from kernels.cpu_gemv import DENSE_GEMV_MAX_ROWS
 from kernels.cpu_step_linear import DENSE, DENSE_BF16
 from tests.kernels.test_cpu_step import _engine, _prompts  # the same engine and prompts as the step tests
@@ -169,6 +170,26 @@ def test_a_thread_count_change_gets_its_own_program_and_keeps_the_bits(models):
     ones = [p for (_, threads), (_, p) in built.items() if threads == 1 and p is not None]
     twos = [p for (_, threads), (_, p) in built.items() if threads == 2 and p is not None]
     assert ones and twos and not {id(p) for p in ones} & {id(p) for p in twos}
+
+
+@pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="one numba thread: every product runs serially")
+def test_which_products_split_over_threads():
+    """A program's product runs its parallel kernel when its weight is large (memory-bound even at
+    one row) or its weight bytes times its rows are (compute-bound); otherwise on the calling
+    thread, where a parallel launch would cost more than it saves. At one thread, never."""
+    per = plan.StepProgram._per                                   # uses no program state
+    big, rows = plan.PARALLEL_WEIGHT_BYTES, 1024
+    saved = numba.get_num_threads()
+    try:
+        numba.set_num_threads(2)
+        assert per(None, rows, big, 1) > 0                        # batch 1, a large weight
+        assert per(None, rows, big - 1, 1) == 0
+        assert per(None, rows, plan.PARALLEL_BYTES // 16, 16) > 0  # a small weight met by 16 rows
+        assert per(None, rows, plan.PARALLEL_BYTES // 16 - 1, 16) == 0
+        numba.set_num_threads(1)
+        assert per(None, rows, 64 * big, 16) == 0
+    finally:
+        numba.set_num_threads(saved)
 
 
 def test_later_runs_skip_the_dispatcher(models, monkeypatch):
