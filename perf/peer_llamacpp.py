@@ -178,6 +178,22 @@ GEOMETRIES: dict[str, tuple[dict, int, str]] = {
                       o_groups=4, o_lora_rank=256, index_n_heads=8, index_head_dim=64, index_topk=32,
                       n_routed_experts=16, num_experts_per_tok=2, moe_intermediate_size=256, vocab_size=2048),
                  8, "fp8-fp4"),
+    # Three more, first run after the six above were tuned (2026-12-06), kept for the sweep:
+    # a 32k vocabulary on hidden 512 (the bf16 LM head is ~80 % of a token's weight bytes)
+    "vocab32k-fp8": (dict(hidden_size=512, num_attention_heads=8, head_dim=128, qk_rope_head_dim=64, q_lora_rank=256,
+                          o_groups=4, o_lora_rank=128, index_n_heads=4, index_head_dim=64, index_topk=32,
+                          n_routed_experts=64, num_experts_per_tok=4, moe_intermediate_size=256, vocab_size=32000),
+                     4, "fp8-fp4"),
+    # 6 × 256 heads, index top-k 256, 32 narrow experts top-8, bf16
+    "idx256-bf16": (dict(hidden_size=384, num_attention_heads=6, head_dim=256, qk_rope_head_dim=64, q_lora_rank=192,
+                         o_groups=2, o_lora_rank=192, index_n_heads=8, index_head_dim=64, index_topk=256,
+                         n_routed_experts=32, num_experts_per_tok=8, moe_intermediate_size=64, vocab_size=8000),
+                    5, "bf16"),
+    # hidden 1024 over 3 layers, 16 × 128 heads, 96 experts top-6 of 256, a 24k vocabulary
+    "wide96-fp8": (dict(hidden_size=1024, num_attention_heads=16, head_dim=128, qk_rope_head_dim=64, q_lora_rank=768,
+                        o_groups=8, o_lora_rank=512, index_n_heads=16, index_head_dim=64, index_topk=128,
+                        n_routed_experts=96, num_experts_per_tok=6, moe_intermediate_size=256, vocab_size=24000),
+                   3, "fp8-fp4"),
 }
 
 
