@@ -51,7 +51,7 @@ PARALLEL_BYTES = 384 << 10
 # 96-384 KiB (a small model's attention projections and routed experts) onto both threads took
 # the batch-1 step of the tiny V4s of hidden 256-512 from 1.78 to 1.32 ms (issue41), 2.46 to
 # 1.91 (hidden 512, vocabulary 32k) and 1.56 to 1.27 (hidden 384); wider ones moved within
-# their noise. Every product past 16 KiB (PARALLEL_BYTES / 16 rows at batch 16) already split.
+# their noise. At batch 16 every weight from 24 KiB (PARALLEL_BYTES / 16 rows) split already.
 PARALLEL_WEIGHT_BYTES = 96 << 10
 _KINDS = {"dense": DENSE, "fp8": FP8, "fp4": FP4}
 _X_MEMBERS = {"q_lora": (L.Q_LORA_P, L.Q_LORA_C), "kv": (L.KV_P, L.KV_C), "comp_c": (L.COMP_C_P, L.COMP_C_C),
