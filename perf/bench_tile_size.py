@@ -5,26 +5,38 @@ and hands each tile to torch's mm. With bf16 operands (kernels/cpu_precision.py)
 both operands on every mm, the activation once per tile, so the tile's size matters more there
 than under exact fp32. This times `_fp8_mm` on projections of the tiny V4s (the peer sweep's
 geometries, perf/peer_llamacpp.py) at several tile sizes; each round calls every size once, in
-turn; medians of --repeats. The last columns are the ratios against the 2 MiB tile
-(TILE_BYTES); the tile the library picks is BF16_TILE_BYTES where the product takes bf16
-operands, TILE_BYTES otherwise.
+turn (perf/bench_quant_gemm.py's interleaved_medians), medians of --repeats. The last columns
+are the ratios against the 2 MiB tile (TILE_BYTES); the tile the library picks is
+BF16_TILE_BYTES where the product takes bf16 operands, TILE_BYTES otherwise.
 
     python -m perf.bench_tile_size [--precision bf16 fp32] [--rows 16 128 2048] [--repeats 11]
 """
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+from collections.abc import Callable
 
 import torch
 
 from kernels import cpu_precision, cpu_quant_gemm
+from perf.bench_quant_gemm import interleaved_medians
 from perf.machine import header, set_cpu_threads
 
 # (N, K) of FP8 projections in the tiny V4s: wo_b (K = o_groups · o_lora_rank), wq_b, wq_a.
 SHAPES = [(1024, 4096), (2048, 768), (2048, 512), (768, 1024), (512, 1024)]
 TILE_MIB = (2, 4, 8, 32)
+
+
+def with_tile(mib: int, fn: Callable[[], object]) -> Callable[[], object]:
+    """fn with both tile sizes (exact and bf16 operands) set to `mib` MiB for the call."""
+    def run() -> object:
+        saved = cpu_quant_gemm.TILE_BYTES, cpu_quant_gemm.BF16_TILE_BYTES
+        cpu_quant_gemm.TILE_BYTES = cpu_quant_gemm.BF16_TILE_BYTES = mib << 20
+        try:
+            return fn()
+        finally:
+            cpu_quant_gemm.TILE_BYTES, cpu_quant_gemm.BF16_TILE_BYTES = saved
+    return run
 
 
 def time_tiles(m: int, n: int, k: int, repeats: int) -> dict[int, float]:
@@ -33,19 +45,9 @@ def time_tiles(m: int, n: int, k: int, repeats: int) -> dict[int, float]:
     weight = (torch.randn(n, k, generator=g) * 0.05).to(torch.float8_e4m3fn)
     scale = torch.rand(-(-n // 128), -(-k // 128), generator=g) * 0.02 + 0.005
     a = torch.randn(m, k, generator=g)
-    saved = cpu_quant_gemm.TILE_BYTES, cpu_quant_gemm.BF16_TILE_BYTES
-    times: dict[int, list[float]] = {mib: [] for mib in TILE_MIB}
-    try:
-        for rnd in range(repeats + 1):                   # round 0 warms up (and loads numba's cache)
-            for mib in TILE_MIB:
-                cpu_quant_gemm.TILE_BYTES = cpu_quant_gemm.BF16_TILE_BYTES = mib << 20
-                t0 = time.perf_counter()
-                cpu_quant_gemm._fp8_mm(a, weight, scale, (128, 128))
-                if rnd:
-                    times[mib].append(time.perf_counter() - t0)
-    finally:
-        cpu_quant_gemm.TILE_BYTES, cpu_quant_gemm.BF16_TILE_BYTES = saved
-    return {mib: statistics.median(t) for mib, t in times.items()}
+    product = lambda: cpu_quant_gemm._fp8_mm(a, weight, scale, (128, 128))  # noqa: E731
+    medians = interleaved_medians([with_tile(mib, product) for mib in TILE_MIB], repeats)
+    return dict(zip(TILE_MIB, medians))
 
 
 def main() -> None:
